@@ -1,0 +1,194 @@
+"""Decode loops on the target wrapper: speculative tree decoding and the vanilla baseline.
+
+Both take a batch of prompts of different lengths (right-padded in one ragged cache); each row
+accepts its own number of tokens per step and leaves the batch when it is finished.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from mmvsd.drafter import DraftInputs, Drafter
+from mmvsd.errors import UserError
+from mmvsd.target import Target
+from mmvsd.tree import TreeShape, build_dynamic_tree
+from mmvsd.verify import sample_next, verify
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How to decode: length, temperature, tree shape, seed."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    tree: TreeShape = TreeShape()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise UserError(f"temperature must be >= 0, got {self.temperature}")
+
+
+@dataclass
+class SequenceResult:
+    """One prompt's generation and its counters."""
+
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    num_target_forwards: int = 0
+    accept_lengths: list[int] = field(default_factory=list)  # tokens per target forward (bonus counted)
+    wall_seconds: float = 0.0
+    finished: bool = False
+
+    @property
+    def tau(self) -> float:
+        """Mean new tokens per target forward, bonus included (prefill counts as one forward)."""
+        return len(self.output_ids) / max(self.num_target_forwards, 1)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.output_ids) / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+
+def _pad_prompts(prompts: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
+    """Right-pad prompts: ids [B, P], lengths [B]."""
+    lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
+    ids = torch.zeros(len(prompts), int(lens.max()), dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        ids[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+    return ids, lens
+
+
+def _check_prompts(target: Target, prompts: list[list[int]], config: DecodeConfig, lookahead: int) -> None:
+    if not prompts:
+        raise UserError("no prompts to decode")
+    for prompt in prompts:
+        target.check_length(len(prompt), config.max_new_tokens, lookahead)
+
+
+def _prefill(target: Target, prompts: list[list[int]], need_aux: bool):
+    """Run the prompts through the target; returns (cache, padded ids, lens, last logits, aux)."""
+    ids, lens = _pad_prompts(prompts, target.device)
+    batch, width = ids.shape
+    cache = target.new_cache(batch)
+    depths = torch.arange(width, device=ids.device).expand(batch, width)
+    causal = torch.ones(width, width, dtype=torch.bool, device=ids.device).tril().expand(batch, -1, -1)
+    out = target.forward(cache, ids, depths, causal, need_aux=need_aux, logit_positions=(lens - 1)[:, None])
+    cache.keep(depths, lens)
+    return cache, ids, lens, out.logits[:, 0], out.aux_hidden
+
+
+class _Tracker:
+    """Appends accepted tokens per row, applies max length and EOS, and times each row."""
+
+    def __init__(self, prompts: list[list[int]], target: Target, config: DecodeConfig) -> None:
+        self.results = [SequenceResult(list(p)) for p in prompts]
+        self.active = list(range(len(prompts)))  # result index of each live batch row
+        self.eos = target.eos_token_ids
+        self.max_new = config.max_new_tokens
+        self.start = time.perf_counter()
+
+    def add(self, row: int, token_ids: list[int]) -> None:
+        result = self.results[self.active[row]]
+        result.num_target_forwards += 1
+        room = self.max_new - len(result.output_ids)
+        kept = token_ids[:room]
+        for pos, token in enumerate(kept):
+            if token in self.eos:
+                kept = kept[: pos + 1]
+                break
+        result.output_ids.extend(kept)
+        result.accept_lengths.append(len(token_ids))
+        if len(result.output_ids) >= self.max_new or (kept and kept[-1] in self.eos):
+            result.finished = True
+            result.wall_seconds = time.perf_counter() - self.start
+
+    def live_rows(self) -> Tensor:
+        """Batch rows still decoding; drops the finished ones from `active`."""
+        rows = [row for row, idx in enumerate(self.active) if not self.results[idx].finished]
+        self.active = [self.active[row] for row in rows]
+        return torch.tensor(rows, dtype=torch.long)
+
+
+@torch.no_grad()
+def vanilla_generate(target: Target, prompts: list[list[int]], config: DecodeConfig) -> list[SequenceResult]:
+    """Plain autoregressive decoding on the same target wrapper: the speed-up denominator."""
+    _check_prompts(target, prompts, config, lookahead=1)
+    generator = torch.Generator().manual_seed(config.seed)
+    tracker = _Tracker(prompts, target, config)
+    cache, _, _, logits, _ = _prefill(target, prompts, need_aux=False)
+    next_ids = sample_next(logits, config.temperature, generator)  # [B]
+    for row, token in enumerate(next_ids.tolist()):
+        tracker.add(row, [token])
+    while True:
+        rows = tracker.live_rows()
+        if rows.numel() == 0:
+            break
+        if rows.numel() < cache.batch_size:
+            cache.select_rows(rows.to(cache.lens.device))
+            next_ids = next_ids[rows.to(next_ids.device)]
+        batch = rows.numel()
+        zeros = torch.zeros(batch, 1, dtype=torch.long, device=target.device)
+        ones = torch.ones(batch, 1, 1, dtype=torch.bool, device=target.device)
+        out = target.forward(cache, next_ids[:, None], zeros, ones, need_aux=False)
+        cache.keep(zeros, torch.ones(batch, dtype=torch.long, device=target.device))
+        next_ids = sample_next(out.logits[:, 0], config.temperature, generator)
+        for row, token in enumerate(next_ids.tolist()):
+            tracker.add(row, [token])
+    return tracker.results
+
+
+@torch.no_grad()
+def speculative_generate(
+    target: Target, drafter: Drafter, prompts: list[list[int]], config: DecodeConfig
+) -> list[SequenceResult]:
+    """Tree speculative decoding: draft a dynamic tree, verify it in one target forward, repeat."""
+    _check_prompts(target, prompts, config, lookahead=config.tree.depth + 1)
+    generator = torch.Generator().manual_seed(config.seed)
+    tracker = _Tracker(prompts, target, config)
+    cache, ids, lens, logits, aux = _prefill(target, prompts, need_aux=True)
+    roots = sample_next(logits, config.temperature, generator)  # [B]
+    rows = torch.arange(len(prompts), device=ids.device)
+    next_ids = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
+    next_ids[rows, lens - 1] = roots
+    session = drafter.new_session(len(prompts))
+    session.advance(DraftInputs(aux, next_ids, lens))
+    for row, token in enumerate(roots.tolist()):
+        tracker.add(row, [token])
+    while True:
+        live = tracker.live_rows()
+        if live.numel() == 0:
+            break
+        if live.numel() < cache.batch_size:
+            live = live.to(target.device)
+            cache.select_rows(live)
+            session.select_rows(live)
+            roots = roots[live]
+        tree = build_dynamic_tree(roots, session, config.tree)
+        out = target.forward(cache, tree.token_ids, tree.depths, tree.ancestor_mask())
+        verdict = verify(tree, out.logits, config.temperature, generator)
+        num_kept = verdict.num_accepted + 1  # root + accepted draft tokens
+        cache.keep(verdict.path_nodes.clamp(min=0), num_kept)
+        session.advance(_next_draft_inputs(tree.token_ids, out.aux_hidden, verdict))
+        roots = verdict.bonus_ids
+        for row, token_ids in enumerate(verdict.accepted_ids(tree)):
+            tracker.add(row, token_ids)
+    return tracker.results
+
+
+def _next_draft_inputs(tree_ids: Tensor, aux_hidden: Tensor, verdict) -> DraftInputs:
+    """Pairs for the drafter: target features at root..last accepted, each with the next token."""
+    num_new = verdict.num_accepted + 1  # [B]
+    width = int(num_new.max())
+    nodes = verdict.path_nodes[:, :width].clamp(min=0)  # [B, A]
+    features = aux_hidden.gather(1, nodes[:, :, None].expand(-1, -1, aux_hidden.shape[-1]))
+    following = torch.cat([tree_ids.gather(1, nodes)[:, 1:], verdict.bonus_ids[:, None]], dim=1)
+    rows = torch.arange(nodes.shape[0], device=nodes.device)
+    following[rows, num_new - 1] = verdict.bonus_ids  # the bonus follows the last accepted node
+    return DraftInputs(features, following, num_new)

@@ -1,0 +1,87 @@
+"""Ragged KV caches: one batch cache whose rows hold different numbers of committed tokens.
+
+Row b's committed entries occupy slots [0, lens[b]) of every layer; slots from lens[b] up to the
+committed length are stale and always masked out. New entries (a prompt chunk, a draft tree, a
+frontier of tree nodes) are appended after the committed length as a "block"; `keep` then copies
+the entries a row accepts to its slots lens[b].. and drops the rest. The target (an HF
+`DynamicCache`) and the drafters' own caches share this one mechanism.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+
+
+class RaggedCache:
+    """An HF `DynamicCache` plus per-row committed lengths."""
+
+    def __init__(self, batch_size: int, device: torch.device | str = "cpu") -> None:
+        self.kv = DynamicCache()
+        self.lens = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
+        self.committed_len = 0  # slots before this index are committed-or-stale; after: the block
+
+    @property
+    def batch_size(self) -> int:
+        return self.lens.shape[0]
+
+    def block_len(self) -> int:
+        """How many entries have been appended since the last `keep`/`drop_block`."""
+        return self.kv.get_seq_length() - self.committed_len
+
+    def positions(self, depths: Tensor) -> Tensor:
+        """[B, N] position ids of new entries at `depths` [B, N] after each row's committed tokens."""
+        return self.lens[:, None] + depths
+
+    def attention_mask(self, block_mask: Tensor, dtype: torch.dtype) -> Tensor:
+        """Additive mask [B, 1, N, committed_len + M] for N new queries.
+
+        block_mask [B, N, M] (bool): which of the M block entries (those appended since the last
+        commit, the N new ones last) each query sees. Committed slots are seen iff < lens[b].
+        """
+        batch, num_queries, _ = block_mask.shape
+        slots = torch.arange(self.committed_len, device=self.lens.device)
+        past_visible = (slots[None, :] < self.lens[:, None])[:, None, :].expand(batch, num_queries, -1)
+        visible = torch.cat([past_visible, block_mask.to(self.lens.device)], dim=2)
+        mask = torch.zeros(visible.shape, dtype=dtype, device=self.lens.device)
+        return mask.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
+
+    def keep(self, block_indices: Tensor, num_keep: Tensor) -> None:
+        """Commit block entries: row b keeps block_indices[b, :num_keep[b]] ([B, A], [B]).
+
+        Kept entries move to slots lens[b].. in order; everything else in the block is dropped.
+        """
+        num_keep = num_keep.to(self.lens.device)
+        width = block_indices.shape[1]
+        take = torch.arange(width, device=self.lens.device)[None, :] < num_keep[:, None]  # [B, A]
+        rows, cols = take.nonzero(as_tuple=True)
+        src = self.committed_len + block_indices.to(self.lens.device)[rows, cols]
+        dst = self.lens[rows] + cols
+        moved = bool((src != dst).any())
+        for layer in self.kv.layers:
+            if moved:
+                layer.keys[rows, :, dst] = layer.keys[rows, :, src]
+                layer.values[rows, :, dst] = layer.values[rows, :, src]
+        self.lens = self.lens + num_keep
+        self._truncate(int(self.lens.max().item()) if self.batch_size else 0)
+
+    def drop_block(self) -> None:
+        """Forget every entry appended since the last commit (drafter tree rollback)."""
+        self._truncate(self.committed_len)
+
+    def select_rows(self, rows: Tensor) -> None:
+        """Keep only the batch rows `rows` ([B'] long), e.g. to drop finished sequences."""
+        self.lens = self.lens[rows]
+        for layer in self.kv.layers:
+            layer.keys = layer.keys[rows]
+            layer.values = layer.values[rows]
+        self._truncate(int(self.lens.max().item()) if self.batch_size else 0)
+
+    def _truncate(self, length: int) -> None:
+        """Cut every layer to `length` slots, which become the committed length."""
+        self.committed_len = length
+        for layer in self.kv.layers:
+            if layer.keys is not None and layer.keys.shape[-2] > length:
+                layer.keys = layer.keys[:, :, :length]
+                layer.values = layer.values[:, :, :length]

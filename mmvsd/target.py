@@ -1,0 +1,142 @@
+"""The target wrapper: prefill and tree forwards on a ragged KV cache, plus auxiliary hidden states.
+
+Every forward takes explicit token depths and a block mask; the wrapper turns them into position
+ids and an additive 4D attention mask over the cache (never a mask set on the model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from mmvsd.errors import UserError
+from mmvsd.kv import RaggedCache
+
+
+@dataclass(frozen=True)
+class TargetOutput:
+    """What one target forward returns."""
+
+    logits: Tensor  # [B, M, V] at the requested query positions (all N by default)
+    aux_hidden: Tensor | None  # [B, N, 3H] hidden states entering the auxiliary layers, or None
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low/mid/high feature layers: the inputs of layers 2, L//2 and L-3."""
+    return (min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0))
+
+
+class Target:
+    """An HF causal LM (or LLaVA model) seen through the operations speculative decoding needs."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None,
+        name: str,
+        aux_layer_ids: tuple[int, ...] | None = None,
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        text_config = model.config.get_text_config(decoder=True)
+        self.vocab_size: int = model.get_output_embeddings().weight.shape[0]
+        self.hidden_size: int = text_config.hidden_size
+        self.num_layers: int = text_config.num_hidden_layers
+        self.max_positions: int = getattr(text_config, "max_position_embeddings", 1 << 30)
+        self.aux_layer_ids = tuple(aux_layer_ids or default_aux_layer_ids(self.num_layers))
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_output_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_output_embeddings().weight.dtype
+
+    @property
+    def input_embeddings(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    def new_cache(self, batch_size: int) -> RaggedCache:
+        return RaggedCache(batch_size, self.device)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        cache: RaggedCache,
+        token_ids: Tensor,
+        depths: Tensor,
+        block_mask: Tensor,
+        *,
+        need_aux: bool = True,
+        logit_positions: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
+    ) -> TargetOutput:
+        """Run N new tokens per row on top of the cache and append their KV as the cache's block.
+
+        token_ids [B, N]; depths [B, N]: position offsets after each row's committed tokens;
+        block_mask [B, N, N]: which new tokens each new token attends to (itself included);
+        logit_positions [B, M]: query indices whose logits are wanted (default: all N);
+        inputs_embeds [B, N, H]: given instead of embedding token_ids (e.g. image features).
+        """
+        mask = cache.attention_mask(block_mask, self.dtype)
+        out = self.model.model(
+            input_ids=None if inputs_embeds is not None else token_ids,
+            inputs_embeds=inputs_embeds,
+            attention_mask=mask,
+            position_ids=cache.positions(depths),
+            past_key_values=cache.kv,
+            use_cache=True,
+            output_hidden_states=need_aux,
+        )
+        hidden = out.last_hidden_state  # [B, N, H]
+        if logit_positions is not None:
+            hidden = hidden.gather(1, logit_positions[:, :, None].expand(-1, -1, hidden.shape[-1]))
+        logits = self.model.get_output_embeddings()(hidden)
+        aux = None
+        if need_aux:
+            aux = torch.cat([out.hidden_states[i] for i in self.aux_layer_ids], dim=-1)
+        return TargetOutput(logits, aux)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a user prompt, through the chat template when the tokenizer has one."""
+        if self.tokenizer is None:
+            raise UserError(f"target {self.name!r} has no tokenizer; pass token ids instead of text")
+        if getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
+            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return self.tokenizer(text)["input_ids"]
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(map(str, token_ids))
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def check_length(self, prompt_len: int, max_new_tokens: int, lookahead: int) -> None:
+        """Refuse prompts that cannot fit the context window with the requested generation."""
+        need = prompt_len + max_new_tokens + lookahead
+        if prompt_len < 1:
+            raise UserError("empty prompt: nothing to condition on")
+        if need > self.max_positions:
+            raise UserError(
+                f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens (+{lookahead} for the draft "
+                f"tree) exceeds the context window of {self.max_positions} tokens of target {self.name!r}"
+            )
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:
+    ids: set[int] = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (gen_eos, getattr(tokenizer, "eos_token_id", None) if tokenizer else None):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return frozenset(ids)

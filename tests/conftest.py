@@ -1,0 +1,102 @@
+"""Shared fixtures: tiny deterministic targets and drafters, and the real SmolLM2 target."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from mmvsd.decode import DecodeConfig, vanilla_generate
+from mmvsd.drafters.eagle3 import Eagle3Drafter
+from mmvsd.target import Target
+from mmvsd.unroll import shifted, unroll_draft_steps
+
+TINY_VOCAB = 128
+
+
+def make_tiny_llama(seed: int = 0, vocab: int = TINY_VOCAB, attn: str = "sdpa") -> LlamaForCausalLM:
+    """A 4-layer random Llama with peaked enough logits that greedy ties are rare."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.25,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+        attn_implementation=attn,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def random_prompts(num: int, seed: int, min_len: int = 3, max_len: int = 12, vocab: int = TINY_VOCAB) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(min_len, max_len + 1, (num,), generator=gen).tolist()
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def tiny_target() -> Target:
+    return Target(make_tiny_llama(), None, "tiny-llama")
+
+
+PROMPT_POOL = random_prompts(8, seed=100)
+
+
+def fit_drafter_to_target(
+    target: Target, prompts: list[list[int]], steps: int = 150, num_steps: int = 4, seed: int = 0
+) -> Eagle3Drafter:
+    """Overfit an EAGLE-3 drafter to the target's greedy continuations of `prompts`.
+
+    A test helper (cross-entropy over unrolled draft steps) that gives the tree decoder real
+    multi-token acceptances to exercise on those prompts.
+    """
+    drafter = Eagle3Drafter.from_target(target, seed=seed)
+    results = vanilla_generate(target, prompts, DecodeConfig(max_new_tokens=64))
+    seqs = [r.prompt_ids + r.output_ids for r in results]
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    labels = torch.full((len(seqs), width), -100)
+    for row, seq in enumerate(seqs):
+        ids[row, : len(seq)] = torch.tensor(seq)
+        labels[row, : len(seq)] = torch.tensor(seq)
+    with torch.no_grad():
+        out = target.model(ids, output_hidden_states=True)
+    features = torch.cat([out.hidden_states[i] for i in target.aux_layer_ids], -1)
+    next_ids = shifted(ids, 1)
+    optim = torch.optim.Adam(drafter.parameters(), lr=1e-2)
+    for _ in range(steps):
+        hiddens = unroll_draft_steps(drafter, features, next_ids, num_steps)
+        loss = sum(
+            torch.nn.functional.cross_entropy(drafter.draft_logits(h).flatten(0, 1), shifted(labels, i + 2, -100).flatten())
+            for i, h in enumerate(hiddens)
+        )
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    return drafter.eval()
+
+
+@pytest.fixture(scope="session")
+def fitted_drafter(tiny_target) -> Eagle3Drafter:
+    return fit_drafter_to_target(tiny_target, PROMPT_POOL)
+
+
+@pytest.fixture(scope="session")
+def random_drafter(tiny_target) -> Eagle3Drafter:
+    return Eagle3Drafter.from_target(tiny_target, seed=3).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_target() -> Target:
+    from mmvsd.targets import load_target
+
+    return load_target("smollm2-135m")
+
+
+__all__ = ["PROMPT_POOL", "make_tiny_llama", "random_prompts", "fit_drafter_to_target"]

@@ -1,0 +1,82 @@
+"""Lossless: greedy speculative output equals the target's own greedy output, token for token."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import PROMPT_POOL, random_prompts
+from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate
+from mmvsd.tree import TreeShape
+
+SHAPES = {
+    "chain": TreeShape(budget=6, depth=5, topk=1),
+    "tree": TreeShape(budget=24, depth=5, topk=4),
+    "default": TreeShape(),
+}
+
+
+def alone(target, prompts, max_new):
+    """Each prompt decoded by itself with the vanilla loop (the reference)."""
+    return [vanilla_generate(target, [p], DecodeConfig(max_new_tokens=max_new))[0].output_ids for p in prompts]
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_speculative_equals_vanilla(tiny_target, fitted_drafter, shape, batch):
+    prompts = PROMPT_POOL[:1] if batch == 1 else PROMPT_POOL[2 : 2 + batch]
+    config = DecodeConfig(max_new_tokens=48, tree=SHAPES[shape])
+    spec = speculative_generate(tiny_target, fitted_drafter, prompts, config)
+    reference = alone(tiny_target, prompts, 48)
+    for result, ref in zip(spec, reference):
+        assert result.output_ids == ref
+    # the fitted drafter must really get multi-token acceptances, or this test proves little
+    assert max(max(r.accept_lengths) for r in spec) >= 3
+    assert sum(r.tau for r in spec) / batch > 1.3
+
+
+def test_random_drafter_is_lossless_with_tau_near_one(tiny_target, random_drafter):
+    prompts = random_prompts(3, seed=7)
+    spec = speculative_generate(tiny_target, random_drafter, prompts, DecodeConfig(max_new_tokens=32))
+    for result, ref in zip(spec, alone(tiny_target, prompts, 32)):
+        assert result.output_ids == ref
+        assert 1.0 <= result.tau < 1.6
+
+
+def test_batched_vanilla_equals_alone(tiny_target):
+    prompts = random_prompts(5, seed=3, min_len=1, max_len=20)
+    batched = vanilla_generate(tiny_target, prompts, DecodeConfig(max_new_tokens=30))
+    assert [r.output_ids for r in batched] == alone(tiny_target, prompts, 30)
+    assert all(r.tau == 1.0 and r.num_target_forwards == 30 for r in batched)
+
+
+def test_eos_stops_each_row_at_its_own_time(tiny_target, fitted_drafter):
+    prompts = PROMPT_POOL[4:8]
+    reference = alone(tiny_target, prompts, 40)
+    eos = reference[0][5]  # a token row 0 emits early: make it the end-of-sequence token
+    old = tiny_target.eos_token_ids
+    tiny_target.eos_token_ids = frozenset({eos})
+    try:
+        spec = speculative_generate(tiny_target, fitted_drafter, prompts, DecodeConfig(max_new_tokens=40))
+        vanilla = vanilla_generate(tiny_target, prompts, DecodeConfig(max_new_tokens=40))
+    finally:
+        tiny_target.eos_token_ids = old
+    for s, v, ref in zip(spec, vanilla, reference):
+        cut = ref[: ref.index(eos) + 1] if eos in ref else ref
+        assert s.output_ids == cut and v.output_ids == cut
+    assert len(spec[0].output_ids) <= 6
+
+
+@pytest.mark.smollm2
+def test_smollm2_greedy_speculative_equals_vanilla(smollm2_target):
+    from mmvsd.drafters.eagle3 import Eagle3Drafter
+
+    drafter = Eagle3Drafter.from_target(smollm2_target, draft_vocab_size=8192, seed=0).eval()
+    prompts = [
+        smollm2_target.encode_prompt("Write a haiku about the sea."),
+        smollm2_target.encode_prompt("What is the capital of France? Answer briefly."),
+    ]
+    config = DecodeConfig(max_new_tokens=24, tree=TreeShape(budget=16, depth=4, topk=4))
+    spec = speculative_generate(smollm2_target, drafter, prompts, config)
+    for result, ref in zip(spec, alone(smollm2_target, prompts, 24)):
+        assert result.output_ids == ref
+        assert len(result.output_ids) > 3
