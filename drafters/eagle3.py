@@ -169,8 +169,8 @@ class Eagle3Drafter(Drafter):
         self.set_draft_vocab(torch.arange(config.draft_vocab_size))
 
     @classmethod
-    def from_target(cls, target, draft_vocab_size: int | None = None, seed: int = 0) -> "Eagle3Drafter":
-        """A freshly initialised drafter sized for `target` (identity draft vocab over the first ids)."""
+    def from_target(cls, target, draft_vocab_size: int | None = 32000, seed: int = 0) -> "Eagle3Drafter":
+        """A freshly initialised drafter sized for `target` (draft vocab: its first ids until trained)."""
         torch.manual_seed(seed)
         drafter = cls(Eagle3Config.from_target(target, draft_vocab_size), target.input_embeddings)
         drafter.apply(_init_weights)

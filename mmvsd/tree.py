@@ -7,6 +7,7 @@ root, i.e. the last committed token, which the target has not yet seen.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -43,8 +44,15 @@ class DraftTree:
     def max_depth(self) -> int:
         return int(self.depths.max().item()) if self.token_ids.numel() else 0
 
+    @cached_property
+    def _ancestors(self) -> Tensor:
+        return self._compute_ancestor_mask()
+
     def ancestor_mask(self) -> Tensor:
         """[B, N, N] bool: entry [b, i, j] is True iff node j is node i or one of its ancestors."""
+        return self._ancestors
+
+    def _compute_ancestor_mask(self) -> Tensor:
         batch, num_nodes = self.parents.shape
         eye = torch.eye(num_nodes, dtype=torch.bool, device=self.parents.device)
         mask = eye.expand(batch, num_nodes, num_nodes).clone()

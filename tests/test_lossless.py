@@ -80,3 +80,24 @@ def test_smollm2_greedy_speculative_equals_vanilla(smollm2_target):
     for result, ref in zip(spec, alone(smollm2_target, prompts, 24)):
         assert result.output_ids == ref
         assert len(result.output_ids) > 3
+
+
+def test_tiny_llava_target_text_decoding_is_lossless():
+    """The same Target wrapper drives an HF LlavaForConditionalGeneration (text-only prompt here)."""
+    import torch
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    from mmvsd.drafters.eagle3 import Eagle3Drafter
+    from mmvsd.target import Target
+
+    torch.manual_seed(0)
+    text = LlamaConfig(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, initializer_range=0.25)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=32, patch_size=8)
+    model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text, image_token_id=150))
+    target = Target(model.eval(), None, "tiny-llava")
+    drafter = Eagle3Drafter.from_target(target, seed=0).eval()
+    prompts = random_prompts(2, seed=31, vocab=150)
+    spec = speculative_generate(target, drafter, prompts, DecodeConfig(max_new_tokens=16))
+    assert [r.output_ids for r in spec] == alone(target, prompts, 16)
