@@ -98,6 +98,7 @@ def bad_input_cases(tiny_dir: Path, tmp: Path) -> dict[str, list[str]]:
     base = ["generate", "--drafter", "none", "--max-new-tokens", "8"]
     return {
         "unknown target": base + ["--target", "no-such-model", "--prompt", "w1"],
+        "llava weights absent": base + ["--target", "llava-1.5-7b", "--prompt", "w1"],
         "missing weights": base + ["--target", str(no_weights), "--prompt", "w1"],
         "corrupt weights": base + ["--target", str(corrupt), "--prompt", "w1"],
         "bad gguf": base + ["--target", str(tmp / "missing.gguf"), "--prompt", "w1"],
@@ -117,6 +118,13 @@ def test_bad_input_gives_one_clear_line_and_exit_2(tiny_dir, tmp_path, capsys):
         lines = [line for line in err.splitlines() if line.startswith("mmvsd: error:")]
         assert len(lines) == 1, (case, err)
         assert "Traceback" not in err, case
+
+
+def test_missing_llava_weights_message_names_what_to_put_where(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    code, _, err = run_cli(capsys, "generate", "--target", "llava-1.5-13b", "--drafter", "none", "--prompt", "hi")
+    assert code == 2
+    assert "llava-hf/llava-1.5-13b-hf" in err and "--target /path/to/llava-1.5-13b-hf" in err
 
 
 def test_batch_size_zero_is_rejected(tiny_dir, capsys):
