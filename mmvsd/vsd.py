@@ -1,0 +1,232 @@
+"""Pure tensor math of the Variational Speculative Decoding (VSD) objective.
+
+Paper: "Variational Speculative Decoding", Sec. 3-4 and Appendix "Algorithm" (Alg. 1, Alg. 2).
+Every function here is pure and batched; sampling, models and the EM loop live elsewhere.
+
+Glossary (shape letters):
+    A  anchors: training prefixes x at which paths are drafted
+    S  latent proposals sampled per anchor (the paper's S, 40 by default)
+    L  max path length (the paper's sampling length L, 7 by default); index l = 1..L
+    V  vocabulary
+
+Terms:
+    proposal   z~^{(s)}_{<=l}  a path drafted by q_psi (the E-step's latent proposal)
+    final      z^{(s)}_{<=l}   the proposal if the oracle keeps it, else a target-sampled correction
+    kappa      path-level validity probability prod_i min(1, p_theta(z_i|.) / q_psi(z_i|.))
+    oracle     o = w(l) * 1[log kappa(z) >= log kappa(z_bar)], z_bar the target's greedy path
+    o~, o'     the oracle of the proposal and of the final path (Alg. 1, M-step)
+
+Indexing choice: Alg. 1 writes prefixes as z_{<l} for l = 1..L; z_{<1} would be empty, so we read
+z_{<l} as "the prefix of length l", i.e. tensor index [..., l-1] holds the path z_1..z_l.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+SAMPLE_DIM = 1  # the S axis of every [A, S, L] tensor
+
+
+def path_log_kappa(
+    target_token_logprobs: Tensor, draft_token_logprobs: Tensor, mask: Tensor | None = None
+) -> Tensor:
+    """Cumulative log kappa of every prefix (eq. kappa_vi_polished / survival_def, in log space).
+
+    target_token_logprobs [..., L]: log p_theta(z_i | x, z_<i) of each drafted token
+    draft_token_logprobs  [..., L]: log q_psi(z_i | x, z_<i) of the same tokens
+    mask                  [..., L]: True where the token exists (padding contributes log 1 = 0)
+    returns               [..., L]: log kappa(x, z_<=l) = sum_{i<=l} min(0, log p - log q) = log S_l
+    """
+    log_alpha = (target_token_logprobs - draft_token_logprobs).clamp(max=0.0)  # log min(1, p/q)
+    if mask is not None:
+        log_alpha = log_alpha * mask.to(log_alpha.dtype)
+    return log_alpha.cumsum(-1)
+
+
+def prefix_logprobs(token_logprobs: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Path log-probability of every prefix: log q(z_<=l | x) = sum_{i<=l} log q(z_i | x, z_<i).
+
+    token_logprobs [..., L] -> [..., L]; masked tokens contribute 0. Keeps autograd.
+    """
+    if mask is not None:
+        token_logprobs = token_logprobs * mask.to(token_logprobs.dtype)
+    return token_logprobs.cumsum(-1)
+
+
+def length_weights(
+    num_lengths: int, base: float = 1.05, *, device: torch.device | None = None, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """Oracle length weight w(l) = base**l for l = 1..L (Implementation Details: w(l) := 1.05^l).
+
+    Not normalised: eq. basic / advance already divide by the total oracle weight. With the
+    paper's L = 7, w stays inside the stated bound 1 < w(l) < 2.
+    returns [L]
+    """
+    lengths = torch.arange(1, num_lengths + 1, device=device, dtype=dtype)
+    return torch.as_tensor(base, dtype=dtype, device=device) ** lengths
+
+
+def oracle(
+    log_kappa: Tensor, greedy_log_kappa: Tensor, weights: Tensor, mask: Tensor | None = None
+) -> Tensor:
+    """Alg. 2: o(z_<=l, x) = w(l) * 1[log kappa(x, z_<=l) >= log kappa(x, z_bar_<=l)], per prefix.
+
+    The oracle is evaluated separately for every prefix length l and sample s (Alg. 1 loops over
+    l and s); it is not combined over l here. The combination is the sum over (l, s) normalised by
+    sum o' in eq. basic / advance, done in `vsd_surrogate`.
+    log_kappa        [A, S, L]: log kappa of each sampled path's prefixes (`path_log_kappa`)
+    greedy_log_kappa [A, L]:    log kappa of the target's greedy path z_bar (p_theta^(1)) under the
+                                same drafter, i.e. `path_log_kappa` on the greedy tokens
+    weights          [L]:       w(l) from `length_weights`
+    mask             [A, S, L]: False on padded prefixes (oracle 0 there)
+    returns          [A, S, L]
+    """
+    passed = log_kappa >= greedy_log_kappa.unsqueeze(SAMPLE_DIM)
+    if mask is not None:
+        passed = passed & mask.bool()
+    return passed.to(weights.dtype) * weights
+
+
+def leave_one_out_acceptance(
+    proposal_passed: Tensor, final_oracle: Tensor | None = None, *, sample_dim: int = SAMPLE_DIM
+) -> Tensor:
+    """ARW coefficient beta (eq. beta_update / beta): leave-one-out acceptance rate of the others.
+
+    beta^{(l,s)} = sum_{j != s} o'^{(l,j)} o~^{(l,j)} / sum_{j != s} o'^{(l,j)}, over the S axis.
+    Following the text under eq. beta, o~ is the *binary* validity of proposal j and o' the weight
+    of final path j; with o' = 1 this is the plain mean acceptance of the other S-1 proposals.
+    Where the denominator is 0 (S = 1, or no other final path passes) beta = 0: no evidence of
+    reliability, so the proposal-correction term is annealed away (the paper's beta -> 0 regime).
+    proposal_passed [A, S, (L)]: o~ > 0 (bool or 0/1)
+    final_oracle    [A, S, (L)]: o' (default all ones); masked entries must be 0
+    returns         [A, S, (L)], detached, in [0, 1]
+    """
+    passed = proposal_passed.detach().float()
+    final = torch.ones_like(passed) if final_oracle is None else final_oracle.detach().float()
+    num_samples = passed.shape[sample_dim]
+    others = 1.0 - torch.eye(num_samples, device=passed.device)  # [S, S], 0 on the diagonal
+    # sums over j != s without the cancellation error of "total minus own"
+    numerator = torch.movedim(torch.movedim(final * passed, sample_dim, -1) @ others, -1, sample_dim)
+    denominator = torch.movedim(torch.movedim(final, sample_dim, -1) @ others, -1, sample_dim)
+    has_others = denominator > 0
+    beta = numerator / torch.where(has_others, denominator, torch.ones_like(denominator))
+    return torch.where(has_others, beta, torch.zeros_like(beta))
+
+
+def car_weights(
+    draft_proposal_path_logprobs: Tensor,
+    temperature: float = 0.2,
+    mask: Tensor | None = None,
+    *,
+    on_log_scale: bool = False,
+    sample_dim: int = SAMPLE_DIM,
+) -> Tensor:
+    """CAR weight zeta (eq. zeta_update): softmax over the S proposals of draft confidence / tau.
+
+    zeta^{(l,s)} = exp(c^{(l,s)} / tau) / sum_j exp(c^{(l,j)} / tau). Eq. zeta_update writes the
+    confidence c as q_psi(z~_<=l | x), the path *probability*, which is the default here; with
+    on_log_scale=True c = log q_psi(z~_<=l | x) instead (much sharper: path log-probs differ by
+    whole nats). Implementation Details: tau = 0.2.
+    draft_proposal_path_logprobs [A, S, L]: log q_psi(z~^{(s)}_<=l | x)
+    mask                         [A, S, L]: False on padded prefixes (weight 0, not in the sum)
+    returns                      [A, S, L], detached, sums to 1 over S (0 where all S are masked)
+    """
+    logprobs = draft_proposal_path_logprobs.detach().float()
+    confidence = logprobs if on_log_scale else logprobs.exp()
+    scores = confidence / temperature
+    if mask is not None:
+        scores = scores.masked_fill(~mask.bool(), float("-inf"))
+    zeta = torch.softmax(scores, dim=sample_dim)
+    return torch.nan_to_num(zeta, nan=0.0)  # a column with every sample masked
+
+
+def vsd_surrogate(
+    draft_final_path_logprobs: Tensor,
+    draft_proposal_path_logprobs: Tensor,
+    *,
+    final_oracle: Tensor,
+    proposal_passed: Tensor,
+    beta: Tensor,
+    zeta: Tensor,
+    mask: Tensor | None = None,
+    use_arw: bool = True,
+    use_car: bool = True,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Scalar loss whose gradient is minus the control-variate gradient g_hat of eq. advance.
+
+    Per anchor x:
+        g_hat = 1/sum_{l,s} o' * sum_{l,s} o'^{(l,s)} [grad log q(z^{(s)}_<=l) - beta*zeta * grad log q(z~^{(s)}_<=l)]
+    The correction term applies to every proposal, kept or not, exactly as eq. advance is written
+    (for a kept proposal z = z~ and the terms partly cancel, as the ARW paragraph describes).
+    loss = - mean over anchors with sum o' > 0 of the bracketed surrogate, so descending the loss
+    ascends g_hat. Oracle weights, beta and zeta are detached (they are E-step constants).
+    Switches (ablation, Tab. ab1): use_arw=False sets beta*zeta = 0, giving eq. basic (the
+    "standard gradient" that ignores rejected proposals; CAR then has no effect); use_car=False
+    sets zeta = 1, so rejected proposals are weighted by beta alone.
+
+    draft_final_path_logprobs    [A, S, L]: log q_psi(z^{(s)}_<=l | x), with grad
+    draft_proposal_path_logprobs [A, S, L]: log q_psi(z~^{(s)}_<=l | x), with grad
+    final_oracle                 [A, S, L]: o' (0 where the final path fails the oracle)
+    proposal_passed              [A, S, L]: o~ > 0, for metrics only
+    beta, zeta                   [A, S, L]: from `leave_one_out_acceptance`, `car_weights`
+    mask                         [A, S, L]: False on padded prefixes
+    returns loss [], metrics {oracle_pass_rate, final_pass_rate, mean_beta, num_anchors_used}
+    """
+    valid = torch.ones_like(final_oracle, dtype=torch.bool) if mask is None else mask.bool()
+    final_weight = final_oracle.detach() * valid.to(final_oracle.dtype)  # [A, S, L]
+    if use_arw:
+        correction = beta.detach() * (zeta.detach() if use_car else torch.ones_like(zeta))
+    else:
+        correction = torch.zeros_like(beta)
+    per_path = draft_final_path_logprobs - correction * draft_proposal_path_logprobs  # [A, S, L]
+    weighted = (final_weight * per_path.masked_fill(~valid, 0.0)).flatten(1).sum(1)  # [A]
+    total_weight = final_weight.flatten(1).sum(1)  # [A]
+    used = total_weight > 0
+    per_anchor = weighted / torch.where(used, total_weight, torch.ones_like(total_weight))
+    num_used = used.sum()
+    loss = -(per_anchor * used).sum() / num_used.clamp(min=1)
+    metrics = _surrogate_metrics(proposal_passed, final_weight, beta, valid, num_used)
+    return loss, metrics
+
+
+def _surrogate_metrics(
+    proposal_passed: Tensor, final_weight: Tensor, beta: Tensor, valid: Tensor, num_used: Tensor
+) -> dict[str, Tensor]:
+    """Detached diagnostics of one surrogate evaluation, averaged over unpadded prefixes."""
+    count = valid.sum().clamp(min=1)
+    return {
+        "oracle_pass_rate": ((proposal_passed.bool() & valid).sum() / count).detach(),
+        "final_pass_rate": (((final_weight > 0) & valid).sum() / count).detach(),
+        "mean_beta": ((beta.detach() * valid).sum() / count).detach(),
+        "num_anchors_used": num_used.detach(),
+    }
+
+
+def topk_renormalised_kl(target_logits: Tensor, draft_logits: Tensor, k: int = 10) -> Tensor:
+    """KL(p^_theta || q^_psi) over the target's top-K tokens, both renormalised (App. MLLM, eq. klv).
+
+    Omega^ = the K most probable tokens under the target; p^ and q^ are p_theta and q_psi
+    restricted to Omega^ and renormalised, i.e. softmax of the logits gathered at Omega^.
+    The direction is target || draft, as eq. klv takes the expectation under p^. Eq. klv writes the
+    cross-entropy -sum p^ log q^; this KL differs from it by the target entropy H(p^), a constant in
+    the drafter's parameters, so the gradient is the same, and it is 0 when q^ = p^.
+    The target is detached. Computed in float32. The caller applies alpha (0.1 in the paper).
+    target_logits [..., V], draft_logits [..., V] -> [...]
+    """
+    top_ids = target_logits.detach().topk(min(k, target_logits.shape[-1]), dim=-1).indices  # [..., K]
+    target_top_logprobs = torch.log_softmax(target_logits.detach().float().gather(-1, top_ids), dim=-1)
+    draft_top_logprobs = torch.log_softmax(draft_logits.float().gather(-1, top_ids), dim=-1)
+    return (target_top_logprobs.exp() * (target_top_logprobs - draft_top_logprobs)).sum(-1)
+
+
+def expected_accepted_length(target_step_probs: Tensor, draft_step_probs: Tensor) -> Tensor:
+    """Exact eq. EA_def for context-free drafts: A(q) = E_{z~q}[sum_{k=1}^L S_k(x, z)].
+
+    When every step's distributions do not depend on the earlier tokens, the tokens of z ~ q are
+    independent, so E_q[S_k] = prod_{i<=k} E_{z_i~q_i}[min(1, p_i/q_i)] = prod_{i<=k} sum_v min(p_i, q_i).
+    target_step_probs [..., L, V]: p_theta(. | step i);  draft_step_probs [..., L, V]: q_psi(. | step i)
+    returns [...]
+    """
+    step_accept = torch.minimum(target_step_probs, draft_step_probs).sum(-1)  # [..., L] E[alpha_i]
+    return step_accept.cumprod(-1).sum(-1)
