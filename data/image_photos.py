@@ -14,7 +14,12 @@ from typing import Any
 
 from PIL import Image
 
-from mmvsd.data.image_families import CANVAS_SIZE, DrawnItem, render_shape_scene, vqav2_shapes_item
+from mmvsd.data.image_families import (
+    CANVAS_SIZE,
+    DrawnItem,
+    render_shape_scene,
+    vqav2_shapes_item,
+)
 from mmvsd.errors import UserError
 
 PHOTO_SHARE = 0.25  # fraction of vqav2 items that are real photos; the rest are shape scenes

@@ -11,7 +11,14 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
-from mmvsd.data.image_families import CANVAS_SIZE, DrawnItem, draw_text, fit_font_size, light_color, new_canvas
+from mmvsd.data.image_families import (
+    CANVAS_SIZE,
+    DrawnItem,
+    draw_text,
+    fit_font_size,
+    light_color,
+    new_canvas,
+)
 from mmvsd.errors import UserError
 
 SHOP_WORDS = ["BAKERY", "PHARMACY", "CAFE", "BOOKS", "FLOWERS", "HOTEL", "MARKET", "PIZZA", "GARAGE", "BANK",

@@ -19,15 +19,21 @@ import json
 import os
 import random
 import tempfile
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
 from mmvsd.data.image_charts import chartqa_item, render_chart
 from mmvsd.data.image_diagrams import ai2d_item, render_ai2d
-from mmvsd.data.image_families import LETTERS, DrawnItem, hallusion_item, render_shape_scene
+from mmvsd.data.image_families import (
+    LETTERS,
+    DrawnItem,
+    hallusion_item,
+    render_shape_scene,
+)
 from mmvsd.data.image_photos import render_vqav2, vqav2_item
 from mmvsd.data.image_science import render_science_figure, scienceqa_item
 from mmvsd.data.image_text import render_text_scene, textvqa_item

@@ -46,7 +46,7 @@ class Eagle3Config:
     target_name: str = ""
 
     @classmethod
-    def from_target(cls, target, draft_vocab_size: int | None = None) -> "Eagle3Config":
+    def from_target(cls, target, draft_vocab_size: int | None = None) -> Eagle3Config:
         """A drafter config sized like `target`'s decoder layers."""
         text = target.model.config.get_text_config(decoder=True)
         heads = text.num_attention_heads
@@ -169,7 +169,7 @@ class Eagle3Drafter(Drafter):
         self.set_draft_vocab(torch.arange(config.draft_vocab_size))
 
     @classmethod
-    def from_target(cls, target, draft_vocab_size: int | None = 32000, seed: int = 0) -> "Eagle3Drafter":
+    def from_target(cls, target, draft_vocab_size: int | None = 32000, seed: int = 0) -> Eagle3Drafter:
         """A freshly initialised drafter sized for `target` (draft vocab: its first ids until trained)."""
         torch.manual_seed(seed)
         drafter = cls(Eagle3Config.from_target(target, draft_vocab_size), target.input_embeddings)
@@ -225,7 +225,7 @@ class Eagle3Drafter(Drafter):
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, target) -> "Eagle3Drafter":
+    def from_pretrained(cls, path: str | Path, target) -> Eagle3Drafter:
         path = Path(path)
         raw = json.loads((path / "config.json").read_text())
         known = {f.name for f in fields(Eagle3Config)}

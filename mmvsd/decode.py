@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from mmvsd.drafter import DraftInputs, Drafter
+from mmvsd.drafter import Drafter, DraftInputs
 from mmvsd.errors import UserError
 from mmvsd.target import Target
 from mmvsd.tree import TreeShape, build_dynamic_tree

@@ -9,9 +9,10 @@ KV cache in step with the target's and implements the tree builder's `TreeExpand
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -19,10 +20,10 @@ from torch import Tensor, nn
 from mmvsd.errors import UserError
 from mmvsd.kv import RaggedCache
 
-DRAFTERS: dict[str, type["Drafter"]] = {}
+DRAFTERS: dict[str, type[Drafter]] = {}
 
 
-def register_drafter(name: str) -> Callable[[type["Drafter"]], type["Drafter"]]:
+def register_drafter(name: str) -> Callable[[type[Drafter]], type[Drafter]]:
     """Class decorator: make a drafter architecture loadable by its `drafter_type` name."""
 
     def add(cls: type[Drafter]) -> type[Drafter]:
@@ -33,7 +34,7 @@ def register_drafter(name: str) -> Callable[[type["Drafter"]], type["Drafter"]]:
     return add
 
 
-def drafter_class(name: str) -> type["Drafter"]:
+def drafter_class(name: str) -> type[Drafter]:
     """The registered drafter class called `name` (clear error listing the known ones)."""
     import mmvsd.drafters  # noqa: F401  (registers the built-in drafters)
 
@@ -83,7 +84,7 @@ class Drafter(nn.Module):
     def save_pretrained(self, out_dir: str | Path) -> None:
         raise NotImplementedError
 
-    def new_session(self, batch_size: int) -> "DraftSession":
+    def new_session(self, batch_size: int) -> DraftSession:
         return DraftSession(self, batch_size)
 
 

@@ -141,7 +141,11 @@ def _gguf_folder(gguf_path: Path, name: str) -> Path:
 
 def load_target_folder(folder: Path, name: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Target:
     """Load model and tokenizer from a local folder into a `Target`."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoTokenizer,
+    )
 
     try:
         config = json.loads((folder / "config.json").read_text())

@@ -99,4 +99,4 @@ def smollm2_target() -> Target:
     return load_target("smollm2-135m")
 
 
-__all__ = ["PROMPT_POOL", "make_tiny_llama", "random_prompts", "fit_drafter_to_target"]
+__all__ = ["PROMPT_POOL", "fit_drafter_to_target", "make_tiny_llama", "random_prompts"]

@@ -10,7 +10,12 @@ import pytest
 import timm
 import torch
 from PIL import Image
-from transformers import LlamaConfig, LlavaForConditionalGeneration, TimmWrapperConfig, TimmWrapperModel
+from transformers import (
+    LlamaConfig,
+    LlavaForConditionalGeneration,
+    TimmWrapperConfig,
+    TimmWrapperModel,
+)
 
 from mmvsd.errors import UserError
 from mmvsd.lab import efficientnet

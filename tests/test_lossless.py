@@ -85,7 +85,12 @@ def test_smollm2_greedy_speculative_equals_vanilla(smollm2_target):
 def test_tiny_llava_target_text_decoding_is_lossless():
     """The same Target wrapper drives an HF LlavaForConditionalGeneration (text-only prompt here)."""
     import torch
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
 
     from mmvsd.drafters.eagle3 import Eagle3Drafter
     from mmvsd.target import Target

@@ -33,7 +33,12 @@ import torch
 from PIL import Image
 from timm.models import register_model
 from timm.models.efficientnet import EfficientNet
-from transformers import LlavaConfig, PreTrainedConfig, PreTrainedModel, TimmWrapperConfig
+from transformers import (
+    LlavaConfig,
+    PreTrainedConfig,
+    PreTrainedModel,
+    TimmWrapperConfig,
+)
 
 from mmvsd.errors import UserError
 
