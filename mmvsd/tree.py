@@ -44,15 +44,13 @@ class DraftTree:
     def max_depth(self) -> int:
         return int(self.depths.max().item()) if self.token_ids.numel() else 0
 
-    @cached_property
-    def _ancestors(self) -> Tensor:
-        return self._compute_ancestor_mask()
-
     def ancestor_mask(self) -> Tensor:
         """[B, N, N] bool: entry [b, i, j] is True iff node j is node i or one of its ancestors."""
         return self._ancestors
 
-    def _compute_ancestor_mask(self) -> Tensor:
+    @cached_property
+    def _ancestors(self) -> Tensor:
+        """Computed once per tree: decoding, verification and path lookup all read it."""
         batch, num_nodes = self.parents.shape
         eye = torch.eye(num_nodes, dtype=torch.bool, device=self.parents.device)
         mask = eye.expand(batch, num_nodes, num_nodes).clone()
