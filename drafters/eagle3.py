@@ -203,6 +203,9 @@ class Eagle3Drafter(Drafter):
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
         return draft_ids + self.d2t[draft_ids]
 
+    def draft_vocab_target_ids(self) -> Tensor:
+        return self.draft_to_target(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))
+
     def check_target(self, target) -> None:
         cfg = self.config
         problems = []

@@ -34,10 +34,40 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", help="write per-prompt results (with token ids) to this file")
 
 
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a drafter (objectives ce, vsd, vsd-kl, ce+vsd)",
+                       description="Train a drafter. Settings: defaults < --config YAML < flags < key=value.")
+    p.add_argument("--target", help="built-in name, local folder, .gguf file or HF id")
+    p.add_argument("--drafter", help="drafter architecture (default eagle3)")
+    p.add_argument("--init", help="drafter folder to start from, or none (default)")
+    p.add_argument("--objective", help="ce (default) | vsd | vsd-kl | ce+vsd")
+    p.add_argument("--data", help="sharegpt (default), sharegpt:PATH, llava-instruct:PATH or a JSON/JSONL file")
+    p.add_argument("--output", help="output folder: becomes a drafter folder for `mmvsd generate --drafter`")
+    p.add_argument("--config", help="YAML file of TrainConfig settings (see configs/)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. max_steps=100 loss.num_samples=8")
+
+
+def _add_prepare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prepare", help="write the offline target-feature cache a training run reads",
+                       description="Capture target features of the training examples into DIR "
+                                   "(resumable); train with features=offline feature_cache=DIR.")
+    p.add_argument("--target", help="built-in name, local folder, .gguf file or HF id")
+    p.add_argument("--data", help="same as `mmvsd train --data`")
+    p.add_argument("--output", required=True, help="cache folder")
+    p.add_argument("--config", help="YAML file of TrainConfig settings (data keys are used)")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
+                   help="storage type of the features (auto: the target's)")
+    p.add_argument("--yes", action="store_true", help="do not ask before writing")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmvsd", description="Multimodal speculative decoding toolkit.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_train(sub)
+    _add_prepare(sub)
     return parser
 
 
@@ -101,7 +131,30 @@ def _print_record(number: int, record: dict) -> None:
           flush=True)
 
 
-COMMANDS = {"generate": run_generate}
+def run_train(args: argparse.Namespace) -> None:
+    """`mmvsd train`: resolve the config, train, and say where the drafter is."""
+    from mmvsd.train_config import load_train_config
+    from mmvsd.trainer import train
+
+    flags = {k: getattr(args, k) for k in ("target", "drafter", "init", "objective", "data", "output")}
+    config = load_train_config(args.config, flags, args.overrides)
+    out_dir = train(config, resume=args.resume)
+    print(f"drafter written to {out_dir}; try: mmvsd generate --target {config.target} --drafter {out_dir} "
+          f"--prompt \"...\"")
+
+
+def run_prepare(args: argparse.Namespace) -> None:
+    """`mmvsd prepare`: write the offline feature cache of a run's training examples."""
+    from mmvsd.prepare import prepare_feature_cache
+    from mmvsd.train_config import load_train_config
+
+    flags = {"target": args.target, "data": args.data, "output": args.output, "features": "offline",
+             "feature_cache": args.output}
+    config = load_train_config(args.config, flags, args.overrides)
+    prepare_feature_cache(config, dtype=args.dtype, assume_yes=args.yes)
+
+
+COMMANDS = {"generate": run_generate, "train": run_train, "prepare": run_prepare}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,6 +57,15 @@ class Drafter(nn.Module):
 
     drafter_type: ClassVar[str] = ""
 
+    @classmethod
+    def from_target(cls, target, draft_vocab_size: int | None = None, seed: int = 0) -> Drafter:
+        """A freshly initialised drafter sized for `target`."""
+        raise NotImplementedError
+
+    def set_draft_vocab(self, target_ids: Tensor) -> None:
+        """Use `target_ids` [Vd] (e.g. the most frequent training tokens) as the draft vocabulary."""
+        raise NotImplementedError
+
     def forward(
         self, hidden: Tensor, token_ids: Tensor, positions: Tensor, attention_mask: Tensor, cache: RaggedCache,
         from_target: bool,
@@ -75,6 +84,10 @@ class Drafter(nn.Module):
 
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
         """Map draft-vocabulary ids to target-vocabulary ids."""
+        raise NotImplementedError
+
+    def draft_vocab_target_ids(self) -> Tensor:
+        """[Vd] target-vocabulary id of every draft-vocabulary entry, in draft-id order."""
         raise NotImplementedError
 
     def check_target(self, target) -> None:

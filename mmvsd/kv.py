@@ -30,19 +30,24 @@ class RaggedCache:
         """How many entries have been appended since the last `keep`/`drop_block`."""
         return self.kv.get_seq_length() - self.committed_len
 
-    def positions(self, depths: Tensor) -> Tensor:
-        """[B, N] position ids of new entries at `depths` [B, N] after each row's committed tokens."""
-        return self.lens[:, None] + depths
+    def positions(self, depths: Tensor, past_lens: Tensor | None = None) -> Tensor:
+        """[B, N] position ids of new entries at `depths` [B, N] after the committed tokens they see.
 
-    def attention_mask(self, block_mask: Tensor, dtype: torch.dtype) -> Tensor:
+        past_lens [B, N]: committed tokens each entry sees (default: all of its row's, lens[b]).
+        """
+        return (self.lens[:, None] if past_lens is None else past_lens) + depths
+
+    def attention_mask(self, block_mask: Tensor, dtype: torch.dtype, past_lens: Tensor | None = None) -> Tensor:
         """Additive mask [B, 1, N, committed_len + M] for N new queries.
 
         block_mask [B, N, M] (bool): which of the M block entries (those appended since the last
-        commit, the N new ones last) each query sees. Committed slots are seen iff < lens[b].
+        commit, the N new ones last) each query sees. Committed slot j is seen iff j < past_lens[b, n]
+        (default lens[b]); a shorter past lets drafts branch off any prefix of a committed sequence.
         """
         batch, num_queries, _ = block_mask.shape
+        limit = self.lens[:, None].expand(batch, num_queries) if past_lens is None else past_lens
         slots = torch.arange(self.committed_len, device=self.lens.device)
-        past_visible = (slots[None, :] < self.lens[:, None])[:, None, :].expand(batch, num_queries, -1)
+        past_visible = slots[None, None, :] < limit.to(self.lens.device)[:, :, None]
         visible = torch.cat([past_visible, block_mask.to(self.lens.device)], dim=2)
         mask = torch.zeros(visible.shape, dtype=dtype, device=self.lens.device)
         return mask.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]

@@ -22,6 +22,7 @@ class TargetOutput:
 
     logits: Tensor  # [B, M, V] at the requested query positions (all N by default)
     aux_hidden: Tensor | None  # [B, N, 3H] hidden states entering the auxiliary layers, or None
+    last_hidden: Tensor  # [B, N, H] final (normed) hidden states; logits = target.logits(last_hidden)
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, ...]:
@@ -76,32 +77,39 @@ class Target:
         need_aux: bool = True,
         logit_positions: Tensor | None = None,
         inputs_embeds: Tensor | None = None,
+        past_lens: Tensor | None = None,
     ) -> TargetOutput:
         """Run N new tokens per row on top of the cache and append their KV as the cache's block.
 
         token_ids [B, N]; depths [B, N]: position offsets after each row's committed tokens;
         block_mask [B, N, N]: which new tokens each new token attends to (itself included);
         logit_positions [B, M]: query indices whose logits are wanted (default: all N);
-        inputs_embeds [B, N, H]: given instead of embedding token_ids (e.g. image features).
+        inputs_embeds [B, N, H]: given instead of embedding token_ids (e.g. image features);
+        past_lens [B, N]: committed tokens each new token sees (default all: see RaggedCache).
         """
-        mask = cache.attention_mask(block_mask, self.dtype)
+        mask = cache.attention_mask(block_mask, self.dtype, past_lens)
         out = self.model.model(
             input_ids=None if inputs_embeds is not None else token_ids,
             inputs_embeds=inputs_embeds,
             attention_mask=mask,
-            position_ids=cache.positions(depths),
+            position_ids=cache.positions(depths, past_lens),
             past_key_values=cache.kv,
             use_cache=True,
             output_hidden_states=need_aux,
         )
-        hidden = out.last_hidden_state  # [B, N, H]
+        last_hidden = out.last_hidden_state  # [B, N, H]
+        hidden = last_hidden
         if logit_positions is not None:
             hidden = hidden.gather(1, logit_positions[:, :, None].expand(-1, -1, hidden.shape[-1]))
-        logits = self.model.get_output_embeddings()(hidden)
         aux = None
         if need_aux:
             aux = torch.cat([out.hidden_states[i] for i in self.aux_layer_ids], dim=-1)
-        return TargetOutput(logits, aux)
+        return TargetOutput(self.logits(hidden), aux, last_hidden)
+
+    @torch.no_grad()
+    def logits(self, last_hidden: Tensor) -> Tensor:
+        """[..., V] target logits from final hidden states [..., H] (the LM head alone)."""
+        return self.model.get_output_embeddings()(last_hidden)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a user prompt, through the chat template when the tokenizer has one."""

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from mmvsd.decode import DecodeConfig, vanilla_generate
 from mmvsd.drafters.eagle3 import Eagle3Drafter
@@ -38,6 +41,25 @@ def random_prompts(num: int, seed: int, min_len: int = 3, max_len: int = 12, voc
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (num,), generator=gen).tolist()
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def save_tiny_target(folder: Path, vocab: int = 128, seed: int = 0) -> Path:
+    """A tiny random Llama plus a word-level tokenizer with a chat template, as a target folder."""
+    words = ["<unk>", "<|user|>", "<|assistant|>", "<eos>"] + [f"w{i}" for i in range(vocab - 4)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    model = make_tiny_llama(seed=seed, vocab=vocab)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture(scope="session")

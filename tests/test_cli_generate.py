@@ -7,31 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
-from conftest import make_tiny_llama
+from conftest import save_tiny_target
 from mmvsd.cli import main
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.targets import load_target
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
-)
-
-
-def save_tiny_target(folder: Path, vocab: int = 128, seed: int = 0) -> Path:
-    """A tiny random Llama plus a word-level tokenizer with a chat template, as a target folder."""
-    words = ["<unk>", "<|user|>", "<|assistant|>", "<eos>"] + [f"w{i}" for i in range(vocab - 4)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
-    tokenizer.chat_template = CHAT_TEMPLATE
-    model = make_tiny_llama(seed=seed, vocab=vocab)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,81 @@
+"""Training batches and the target features a drafter learns from.
+
+A `TokenBatch` is a right-padded batch of rendered examples. `capture_features` runs the target
+over it once (no grad) and returns a `FeatureBatch`: the auxiliary hidden states the drafter reads,
+the target's final hidden states (its logits are `target.logits(target_hidden)`, so an offline
+cache need not store [T, V] logits), and optionally the target's KV cache of the whole batch, which
+the VSD E-step reuses to score draft paths that branch off any prefix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from mmvsd.kv import RaggedCache
+from mmvsd.target import Target
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """Right-padded token ids with the loss mask of the positions the drafter learns."""
+
+    input_ids: Tensor  # [B, T] (padding: 0)
+    loss_mask: Tensor  # [B, T] bool, True on assistant tokens (never on padding)
+    lengths: Tensor  # [B] unpadded lengths
+
+    @property
+    def valid(self) -> Tensor:
+        """[B, T] bool: True on real (unpadded) positions."""
+        positions = torch.arange(self.input_ids.shape[1], device=self.input_ids.device)
+        return positions[None, :] < self.lengths[:, None]
+
+    def to(self, device: torch.device | str) -> TokenBatch:
+        return TokenBatch(self.input_ids.to(device), self.loss_mask.to(device), self.lengths.to(device))
+
+
+def collate(examples: Sequence) -> TokenBatch:
+    """Right-pad examples with `input_ids` / `loss_mask` lists into one `TokenBatch`."""
+    width = max(len(ex.input_ids) for ex in examples)
+    input_ids = torch.zeros(len(examples), width, dtype=torch.long)
+    loss_mask = torch.zeros(len(examples), width, dtype=torch.bool)
+    for row, ex in enumerate(examples):
+        input_ids[row, : len(ex.input_ids)] = torch.as_tensor(ex.input_ids, dtype=torch.long)
+        loss_mask[row, : len(ex.loss_mask)] = torch.as_tensor(ex.loss_mask, dtype=torch.bool)
+    lengths = torch.tensor([len(ex.input_ids) for ex in examples], dtype=torch.long)
+    return TokenBatch(input_ids, loss_mask, lengths)
+
+
+@dataclass
+class FeatureBatch:
+    """A token batch with the target's view of it."""
+
+    tokens: TokenBatch
+    features: Tensor  # [B, T, F] auxiliary hidden states (the drafter's input at each position)
+    target_hidden: Tensor  # [B, T, H] final normed hidden states: target logits = target.logits(.)
+    target_cache: RaggedCache | None = None  # KV of every position, rows committed to `lengths`
+
+
+@torch.no_grad()
+def capture_features(target: Target, tokens: TokenBatch, keep_cache: bool = False) -> FeatureBatch:
+    """One causal target forward over the batch (online feature capture)."""
+    tokens = tokens.to(target.device)
+    batch, width = tokens.input_ids.shape
+    cache = target.new_cache(batch)
+    depths = torch.arange(width, device=target.device).expand(batch, width)
+    causal = torch.ones(width, width, dtype=torch.bool, device=target.device).tril().expand(batch, -1, -1)
+    no_logits = torch.zeros(batch, 0, dtype=torch.long, device=target.device)
+    out = target.forward(cache, tokens.input_ids, depths, causal, logit_positions=no_logits)
+    if not keep_cache:
+        return FeatureBatch(tokens, out.aux_hidden, out.last_hidden)
+    cache.keep(depths, tokens.lengths)
+    return FeatureBatch(tokens, out.aux_hidden, out.last_hidden, cache)
+
+
+@torch.no_grad()
+def prefix_cache(target: Target, tokens: TokenBatch) -> RaggedCache:
+    """The target's KV cache of a batch (for batches whose features came from an offline cache)."""
+    return capture_features(target, tokens, keep_cache=True).target_cache

@@ -1,0 +1,164 @@
+"""`TrainConfig`: the one source of truth for a training run, loaded from YAML plus overrides.
+
+Resolution order: dataclass defaults < `--config FILE.yaml` < command-line flags < `key=value`
+overrides (dotted keys reach the nested objective settings, e.g. `loss.num_samples=8`). Unknown
+keys and values of the wrong type are errors. The resolved config is saved as YAML beside every
+checkpoint and in the output folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from mmvsd.errors import UserError
+from mmvsd.objectives import OBJECTIVE_NAMES, ObjectiveConfig
+
+
+@dataclass
+class TrainConfig:
+    """Everything `mmvsd train` needs; configs/*.yaml mirror these fields."""
+
+    target: str = ""
+    drafter: str = "eagle3"  # a registered drafter type
+    init: str = "none"  # drafter folder to start from, or none
+    objective: str = "ce"  # ce | vsd | vsd-kl | ce+vsd
+    data: str = "sharegpt"  # sharegpt, sharegpt:PATH, llava-instruct:PATH or a file
+    output: str = ""
+    # data
+    num_conversations: int = 0  # 0: all
+    max_length: int = 2048
+    validation_fraction: float = 0.01
+    regenerate: str = "none"  # none | greedy | sample: answer with the target first (on-policy)
+    regenerate_max_new_tokens: int = 512
+    features: str = "online"  # online: target forward in the step | offline: read `feature_cache`
+    feature_cache: str = ""
+    draft_vocab_size: int = 32000
+    # optimisation (paper, App. Implementation Details)
+    batch_size: int = 1
+    grad_accum: int = 1
+    epochs: float = 1.0
+    max_steps: int = 0  # optimizer steps; > 0 overrides epochs
+    learning_rate: float = 1e-4
+    warmup_ratio: float = 0.02
+    schedule: str = "cosine"  # cosine (to min_lr_ratio x peak) | linear (to 0)
+    min_lr_ratio: float = 0.01
+    max_grad_norm: float = 0.5
+    precision: str = "fp32"  # fp32 | bf16
+    seed: int = 0
+    max_bad_steps: int = 20  # non-finite losses tolerated (skipped) before the run stops
+    # bookkeeping
+    save_every: int = 200
+    keep_checkpoints: int = 2
+    log_every: int = 10
+    progress: bool = True
+    loss: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+
+    def validate(self) -> None:
+        """Raise UserError on settings that cannot work together."""
+        choices = {"objective": OBJECTIVE_NAMES, "regenerate": ("none", "greedy", "sample"),
+                   "features": ("online", "offline"), "schedule": ("cosine", "linear"),
+                   "precision": ("fp32", "bf16")}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise UserError(f"{key}={getattr(self, key)!r} is not one of {', '.join(allowed)}")
+        if not self.target:
+            raise UserError("no target: pass --target NAME")
+        if not self.output:
+            raise UserError("no output folder: pass --output DIR")
+        if self.features == "offline" and not self.feature_cache:
+            raise UserError("features=offline needs feature_cache=DIR (written by `mmvsd prepare`)")
+        positive = ("batch_size", "grad_accum", "max_length", "save_every", "log_every", "draft_vocab_size")
+        for key in positive:
+            if getattr(self, key) < 1:
+                raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("ttt_steps", "num_samples", "path_length", "num_anchors", "kl_topk"):
+            if getattr(self.loss, key) < 1:
+                raise UserError(f"loss.{key} must be >= 1, got {getattr(self.loss, key)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> None:
+        """Write the resolved config as YAML (atomically)."""
+        from mmvsd.files import atomic_file
+
+        with atomic_file(path) as handle:
+            yaml.safe_dump(self.to_dict(), handle, sort_keys=False)
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(key: str, value: Any, kind: Any) -> Any:
+    """Check (and mildly convert) one value against its field type."""
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        kind = next(k for k in typing.get_args(kind) if k is not type(None))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise UserError(f"{key}: expected {kind.__name__}, got {value!r}")
+    return value
+
+
+def _apply(obj: Any, values: dict[str, Any], prefix: str = "") -> None:
+    """Set fields of a dataclass from a (nested) dict; unknown keys are errors."""
+    kinds = _field_types(type(obj))
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if key not in kinds:
+            raise UserError(f"unknown config key {name!r}; known: {', '.join(sorted(kinds))}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(value, dict):
+                raise UserError(f"{name}: expected a mapping of {', '.join(_field_types(type(current)))}")
+            updated = dataclasses.replace(current)
+            _apply(updated, value, f"{name}.")
+            setattr(obj, key, updated)
+        else:
+            setattr(obj, key, _coerce(name, value, kinds[key]))
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """`["a=1", "loss.num_samples=8"]` -> nested dict; values parsed as YAML scalars."""
+    result: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise UserError(f"override {pair!r} is not of the form key=value")
+        node = result
+        *parents, leaf = key.strip().split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(raw) if raw.strip() else ""
+    return result
+
+
+def load_train_config(config_file: str | None, flags: dict[str, Any], overrides: list[str]) -> TrainConfig:
+    """Resolve a TrainConfig: defaults < YAML file < flags (None = not given) < key=value overrides."""
+    config = TrainConfig()
+    if config_file:
+        path = Path(config_file)
+        try:
+            values = yaml.safe_load(path.read_text()) or {}
+        except FileNotFoundError:
+            raise UserError(f"config file {path} does not exist") from None
+        except yaml.YAMLError as err:
+            raise UserError(f"config file {path} is not valid YAML: {err}") from None
+        if not isinstance(values, dict):
+            raise UserError(f"config file {path} must hold a mapping of keys to values")
+        _apply(config, values)
+    _apply(config, {k: v for k, v in flags.items() if v is not None})
+    _apply(config, parse_overrides(overrides))
+    config.validate()
+    return config

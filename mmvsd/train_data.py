@@ -1,0 +1,89 @@
+"""From a dataset spec to training examples: read, split by seed, optionally regenerate, render.
+
+Shared by `mmvsd train` (online features) and `mmvsd prepare` (offline feature cache), so both
+see exactly the same examples for the same settings.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from mmvsd.data.conversations import load_conversations
+from mmvsd.data.render import RenderedExample, render_conversation, split_conversations
+from mmvsd.errors import UserError
+from mmvsd.target import Target
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ExampleSplit:
+    """Rendered train and validation examples plus what rendering dropped."""
+
+    train: list[RenderedExample]
+    validation: list[RenderedExample]
+    num_dropped: int  # conversations with no loss token left after rendering / truncation
+
+
+def render_all(target: Target, conversations: list, max_length: int) -> tuple[list[RenderedExample], int]:
+    """Render conversations through the target's chat template; count those with nothing to learn."""
+    if target.tokenizer is None:
+        raise UserError(f"target {target.name!r} has no tokenizer: cannot render conversations")
+    examples, dropped = [], 0
+    for conv in conversations:
+        example = render_conversation(target.tokenizer, conv, max_length)
+        if example is None or len(example.input_ids) < 3:
+            dropped += 1
+        else:
+            examples.append(example)
+    return examples, dropped
+
+
+def load_examples(
+    target: Target, data: str, *, num_conversations: int, max_length: int, validation_fraction: float, seed: int,
+    regenerate: str = "none", regenerate_max_new_tokens: int = 512, regenerate_cache: Path | None = None,
+    progress: bool = True,
+) -> ExampleSplit:
+    """Read `data`, split it deterministically by `seed`, regenerate answers if asked, render."""
+    conversations = load_conversations(data, limit=num_conversations or None)
+    train_convs, validation_convs = split_conversations(conversations, validation_fraction, seed)
+    if regenerate != "none":
+        from mmvsd.data.regenerate import regenerate_conversations
+
+        cache = regenerate_cache or Path(f"regenerated-{regenerate}.jsonl")
+        train_convs = regenerate_conversations(
+            target, train_convs, cache_path=cache, temperature=0.0 if regenerate == "greedy" else 1.0,
+            max_new_tokens=regenerate_max_new_tokens, seed=seed, progress=progress,
+        )
+    train, dropped = render_all(target, train_convs, max_length)
+    validation, dropped_validation = render_all(target, validation_convs, max_length)
+    if not train:
+        raise UserError(f"no training example left from {data!r} after rendering with max_length={max_length}")
+    logger.info("%d train / %d validation examples (%d dropped: nothing to learn after truncation)",
+                len(train), len(validation), dropped + dropped_validation)
+    return ExampleSplit(train, validation, dropped + dropped_validation)
+
+
+def token_frequencies(examples: list, vocab_size: int) -> Tensor:
+    """[V] how often each target token is a loss (assistant) token in `examples`."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ex in examples:
+        ids = torch.as_tensor(ex.input_ids, dtype=torch.long)
+        mask = torch.as_tensor(ex.loss_mask, dtype=torch.bool)
+        counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
+    return counts
+
+
+def draft_vocab_from_counts(counts: Tensor, draft_vocab_size: int) -> Tensor:
+    """[Vd] target ids of the draft vocabulary: the most frequent tokens, ties by lower id.
+
+    Tokens never seen fill the remainder in id order, so the size is always `draft_vocab_size`.
+    """
+    if draft_vocab_size > counts.numel():
+        raise UserError(f"draft_vocab_size {draft_vocab_size} exceeds the target vocabulary {counts.numel()}")
+    return torch.sort(-counts, stable=True).indices[:draft_vocab_size]

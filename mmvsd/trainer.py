@@ -1,0 +1,299 @@
+"""The drafter trainer: accelerate (one CPU process, or `accelerate launch` + DeepSpeed ZeRO-2).
+
+Output folder layout:
+    OUT/config.json, OUT/model.safetensors   the trained drafter (`mmvsd generate --drafter OUT`)
+    OUT/train_config.yaml                    the resolved TrainConfig
+    OUT/checkpoints/step-NNNNNNN/            accelerate state + trainer_state.json + train_config.yaml
+    OUT/logs/                                TensorBoard
+A checkpoint folder appears by one rename when complete, so an interrupted write leaves the previous
+checkpoint the latest valid one. Data order and every E-step sample derive from (seed, step), so
+`--resume` continues exactly where the interrupted run would have been.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mmvsd.drafter import Drafter, drafter_class, load_drafter
+from mmvsd.errors import UserError
+from mmvsd.features import FeatureBatch, capture_features, collate
+from mmvsd.objectives import make_objective
+from mmvsd.target import Target
+from mmvsd.train_config import TrainConfig
+from mmvsd.train_data import draft_vocab_from_counts, load_examples, token_frequencies
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "trainer_state.json"
+# settings that may change between an interrupted run and its resumption
+RESUMABLE_CHANGES = {"progress", "log_every", "save_every", "keep_checkpoints", "max_bad_steps"}
+
+
+@dataclass
+class TrainState:
+    """Counters saved with every checkpoint."""
+
+    step: int = 0  # optimizer steps done
+    num_bad_steps: int = 0  # skipped because the loss was not finite
+
+
+def lr_lambda(config: TrainConfig, total_steps: int):
+    """Linear warm-up over warmup_ratio of the steps, then cosine to min_lr_ratio x peak (or linear to 0)."""
+    warmup = max(1, math.ceil(config.warmup_ratio * total_steps)) if config.warmup_ratio > 0 else 0
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return step / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        if config.schedule == "linear":
+            return 1.0 - progress
+        return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def batch_indices(num_examples: int, batch_size: int, seed: int, micro_step: int) -> list[int]:
+    """Example indices of micro-batch `micro_step`: a fresh seeded permutation every epoch."""
+    per_epoch = math.ceil(num_examples / batch_size)
+    epoch, slot = divmod(micro_step, per_epoch)
+    order = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    return order[slot * batch_size : (slot + 1) * batch_size].tolist()
+
+
+def total_steps(config: TrainConfig, num_examples: int) -> int:
+    if config.max_steps > 0:
+        return config.max_steps
+    micro = math.ceil(config.epochs * math.ceil(num_examples / config.batch_size))
+    return max(1, micro // config.grad_accum)
+
+
+def build_drafter(config: TrainConfig, target: Target, train_examples: list) -> Drafter:
+    """A fresh drafter with a frequency-based draft vocabulary, or the `--init` one."""
+    if config.init != "none":
+        drafter = load_drafter(config.init, target)
+        if drafter.drafter_type != config.drafter:
+            raise UserError(f"--init {config.init} holds a {drafter.drafter_type!r} drafter, not {config.drafter!r}")
+        return drafter.train()
+    drafter = drafter_class(config.drafter).from_target(target, draft_vocab_size=config.draft_vocab_size,
+                                                        seed=config.seed)
+    counts = token_frequencies(train_examples, target.vocab_size)
+    drafter.set_draft_vocab(draft_vocab_from_counts(counts, min(config.draft_vocab_size, target.vocab_size)))
+    return drafter.train()
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    """The newest complete checkpoint folder (incomplete ones never carry the final name)."""
+    folder = out_dir / CHECKPOINTS
+    done = sorted(p for p in folder.glob("step-*") if (p / STATE_FILE).is_file()) if folder.is_dir() else []
+    return done[-1] if done else None
+
+
+def check_resume_config(checkpoint: Path, config: TrainConfig) -> None:
+    """Refuse to resume a checkpoint made with different training settings."""
+    import yaml
+
+    saved = yaml.safe_load((checkpoint / "train_config.yaml").read_text())
+    current = config.to_dict()
+    changed = sorted(k for k in current if k not in RESUMABLE_CHANGES and saved.get(k) != current[k])
+    if changed:
+        details = ", ".join(f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in changed)
+        raise UserError(f"cannot resume {checkpoint}: settings differ ({details})")
+
+
+class OnlineSource:
+    """Training batches whose target features are captured inside the step."""
+
+    def __init__(self, target: Target, examples: list) -> None:
+        self.target = target
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def batch(self, indices: list[int]) -> FeatureBatch:
+        return capture_features(self.target, collate([self.examples[i] for i in indices]), keep_cache=True)
+
+
+def check_output(out_dir: Path, resume: bool) -> Path | None:
+    """The checkpoint to resume from (None for a fresh run); never overwrite an earlier run."""
+    latest = latest_checkpoint(out_dir)
+    if resume and latest is None:
+        raise UserError(f"--resume: no complete checkpoint in {out_dir / CHECKPOINTS}")
+    if not resume and latest is not None:
+        raise UserError(f"{out_dir} already holds checkpoints of a run (latest {latest.name}); "
+                        f"pass --resume to continue it or choose another --output")
+    return latest
+
+
+def save_checkpoint(accelerator, out_dir: Path, config: TrainConfig, state: TrainState) -> None:
+    """Write accelerate state + counters + config under a temporary name, then rename."""
+    folder = out_dir / CHECKPOINTS
+    final = folder / f"step-{state.step:07d}"
+    tmp = folder / f".step-{state.step:07d}.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        folder.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        config.save(tmp / "train_config.yaml")
+        (tmp / STATE_FILE).write_text(json.dumps(state.__dict__) + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        complete = sorted(p for p in folder.glob("step-*") if (p / STATE_FILE).is_file())
+        for old in complete[: -config.keep_checkpoints]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def publish_drafter(drafter: Drafter, out_dir: Path) -> None:
+    """Put the drafter's files into OUT, each by one rename, config.json last; checkpoints stay."""
+    staging = out_dir / ".drafter.tmp"
+    drafter.save_pretrained(staging)
+    for item in sorted(staging.iterdir(), key=lambda p: p.name == "config.json"):
+        os.replace(item, out_dir / item.name)
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+def _accelerator(config: TrainConfig, out_dir: Path):
+    """One Accelerator; under `accelerate launch` with DeepSpeed, our batch settings fill its config."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(mixed_precision="bf16" if config.precision == "bf16" else "no",
+                              log_with="tensorboard", project_dir=str(out_dir / "logs"))
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is not None:
+        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = config.batch_size
+        plugin.deepspeed_config["gradient_accumulation_steps"] = 1  # we accumulate ourselves
+        plugin.deepspeed_config["gradient_clipping"] = config.max_grad_norm
+    return accelerator
+
+
+def _scalar_config(config: TrainConfig) -> dict:
+    """Flat scalar view of the config for TensorBoard's hparams."""
+    flat = {k: v for k, v in config.to_dict().items() if not isinstance(v, dict)}
+    flat.update({f"loss.{k}": v for k, v in config.to_dict()["loss"].items()})
+    return flat
+
+
+def train(config: TrainConfig, target: Target | None = None, resume: bool = False) -> Path:
+    """Run (or resume) a training run; returns the output folder, which holds the drafter."""
+    from tqdm import tqdm
+
+    out_dir = Path(config.output)
+    resume_from = check_output(out_dir, resume)
+    if resume_from is not None:
+        check_resume_config(resume_from, config)
+    accelerator = _accelerator(config, out_dir)
+    if target is None:
+        from mmvsd.targets import load_target
+
+        target = load_target(config.target)
+    target.model.to(accelerator.device)
+    source = _training_source(config, target, out_dir)
+    drafter = build_drafter(config, target, source.examples)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
+    steps = total_steps(config, len(source))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, steps))
+    model, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
+    state = TrainState()
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from))
+        state = TrainState(**json.loads((resume_from / STATE_FILE).read_text()))
+    if accelerator.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        config.save(out_dir / "train_config.yaml")
+    accelerator.init_trackers("train", config=_scalar_config(config))
+    objective = make_objective(config.objective, config.loss)
+    bar = tqdm(total=steps, initial=state.step, desc=f"train {config.objective}", dynamic_ncols=True,
+               disable=not (config.progress and accelerator.is_main_process))
+    while state.step < steps:
+        metrics = _optimizer_step(config, accelerator, model, optimizer, scheduler, objective, target, source, state)
+        state.step += 1
+        bar.update(1)
+        bar.set_postfix(_postfix(metrics), refresh=False)
+        if state.step % config.log_every == 0 or state.step == steps:
+            accelerator.log({f"train/{k}": v for k, v in metrics.items()}, step=state.step)
+        if state.step % config.save_every == 0 or state.step == steps:
+            save_checkpoint(accelerator, out_dir, config, state)
+    bar.close()
+    accelerator.end_training()
+    if accelerator.is_main_process:
+        publish_drafter(accelerator.unwrap_model(model), out_dir)
+    return out_dir
+
+
+def _postfix(metrics: dict[str, float]) -> dict[str, str]:
+    names = {"loss": "loss", "acc_0": "acc", "oracle_pass_rate": "pass", "mean_beta": "beta"}
+    return {short: f"{metrics[key]:.3f}" for key, short in names.items() if key in metrics}
+
+
+def _optimizer_step(config, accelerator, model, optimizer, scheduler, objective, target, source, state) -> dict:
+    """grad_accum micro-batches, one AdamW update (skipped, and counted, if a loss is not finite)."""
+    drafter = accelerator.unwrap_model(model)
+    totals: dict[str, float] = {}
+    for micro in range(state.step * config.grad_accum, (state.step + 1) * config.grad_accum):
+        batch = source.batch(batch_indices(len(source), config.batch_size, config.seed, micro))
+        generator = torch.Generator().manual_seed(config.seed * 1_000_003 + micro)
+        with accelerator.autocast():
+            loss, metrics = objective(drafter, target, batch, generator)
+        finite = accelerator.reduce(torch.isfinite(loss.detach()).float().reshape(1), "min")
+        if not bool(finite.item()):
+            return _skip_step(config, optimizer, scheduler, state)
+        accelerator.backward(loss / config.grad_accum)
+        for key, value in {"loss": float(loss.detach()), **metrics}.items():
+            totals[key] = totals.get(key, 0.0) + value / config.grad_accum
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    if grad_norm is not None:
+        totals["grad_norm"] = float(grad_norm)
+    totals["lr"] = scheduler.get_last_lr()[0]
+    totals["bad_steps"] = float(state.num_bad_steps)
+    return totals
+
+
+def _skip_step(config: TrainConfig, optimizer, scheduler, state: TrainState) -> dict:
+    """Drop a step whose loss is NaN/inf; stop the run after `max_bad_steps` of them."""
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    state.num_bad_steps += 1
+    logger.warning("step %d: non-finite loss, step skipped (%d so far)", state.step + 1, state.num_bad_steps)
+    if state.num_bad_steps > config.max_bad_steps:
+        raise UserError(f"{state.num_bad_steps} steps with a non-finite loss (limit max_bad_steps="
+                        f"{config.max_bad_steps}); the last checkpoint is intact. Lower learning_rate or use precision=fp32")
+    return {"bad_steps": float(state.num_bad_steps)}
+
+
+def _training_source(config: TrainConfig, target: Target, out_dir: Path):
+    """Where batches come from: rendered examples with online capture, or the offline cache."""
+    if config.features == "offline":
+        from mmvsd.feature_cache import FeatureCache, check_cache_matches
+
+        cache = FeatureCache(config.feature_cache)
+        check_cache_matches(cache, target, _data_settings(config))
+        return OfflineSource(cache)
+    split = load_examples(
+        target, config.data, num_conversations=config.num_conversations, max_length=config.max_length,
+        validation_fraction=config.validation_fraction, seed=config.seed, regenerate=config.regenerate,
+        regenerate_max_new_tokens=config.regenerate_max_new_tokens,
+        regenerate_cache=out_dir / f"regenerated-{config.regenerate}.jsonl", progress=config.progress,
+    )
+    return OnlineSource(target, split.train)
+
+
+def _data_settings(config: TrainConfig) -> dict:
+    """The settings that decide which examples a feature cache holds."""
+    keys = ("target", "data", "num_conversations", "max_length", "validation_fraction", "seed", "regenerate",
+            "regenerate_max_new_tokens")
+    return {k: getattr(config, k) for k in keys}
