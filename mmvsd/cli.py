@@ -158,7 +158,13 @@ COMMANDS = {"generate": run_generate, "train": run_train, "prepare": run_prepare
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    overrides = [item for item in extra if "=" in item and not item.startswith("-")]
+    if len(overrides) != len(extra) or (overrides and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if overrides:
+        args.overrides = [*args.overrides, *overrides]  # key=value after later flags
     try:
         COMMANDS[args.command](args)
     except UserError as err:

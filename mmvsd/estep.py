@@ -107,14 +107,14 @@ def target_rollouts(
     past_lens = (anchors + 2)[:, :, None].expand(-1, -1, slots).reshape(batch_size, -1)  # [B, A*K]
     token_ids, token_logprobs = [], []
     for depth in range(path_length):
-        restricted = _restricted_logits(logits[:, :, 0], in_draft_vocab)  # [B, A, V] (rows equal at depth 0)
-        if depth > 0:
+        if depth == 0:  # every slot still shares the anchor's distribution: draw all S at once
+            restricted = _restricted_logits(logits[:, :, 0], in_draft_vocab)  # [B, A, V]
+            sampled = _sample(restricted, num_samples, generator)  # [B, A, S]
+            greedy = restricted.argmax(-1)[:, :, None]  # [B, A, 1]
+        else:
             restricted = _restricted_logits(logits, in_draft_vocab)  # [B, A, K, V]
             sampled = _sample(restricted[:, :, :num_samples], 1, generator)[..., 0]  # [B, A, S]
             greedy = restricted[:, :, num_samples].argmax(-1)[:, :, None]  # [B, A, 1]
-        else:
-            sampled = _sample(restricted, num_samples, generator)  # [B, A, S]
-            greedy = restricted.argmax(-1)[:, :, None]
         step_ids = torch.cat([sampled, greedy], dim=2)  # [B, A, K]
         token_ids.append(step_ids)
         token_logprobs.append(torch.log_softmax(logits.float(), -1).gather(-1, step_ids[..., None])[..., 0])
@@ -270,6 +270,11 @@ def _pad_tries(rows: list[tuple[list[int], ...]], node_of: Tensor, device: torch
                   node_of.to(device))
 
 
+def _per_anchor(values: Tensor) -> Tensor:
+    """[B, A, ...] -> [B*A, ...]: the M-step treats every anchor as one prefix x."""
+    return values.flatten(0, 1)
+
+
 @dataclass
 class EStepPaths:
     """Everything the M-step needs, one row per anchor: [B*A, S, L] unless noted."""
@@ -298,14 +303,13 @@ def run_estep(drafter: Drafter, target: Target, batch: FeatureBatch, num_anchors
     given = torch.cat([corrections.token_ids, greedy.token_ids], dim=2)
     drafted = draft_pass(drafter, batch, anchors, given, target_to_draft, num_samples, path_length, generator)
     proposal_target_lps = score_paths_packed(target, cache, batch, anchors, drafted.proposals)
-    per_anchor = lambda x: x.flatten(0, 1)
     return EStepPaths(
-        proposal_target_lps=per_anchor(proposal_target_lps),
-        proposal_draft_lps=per_anchor(drafted.proposal_logprobs),
-        correction_target_lps=per_anchor(corrections.target_logprobs),
-        correction_draft_lps=per_anchor(drafted.teacher_logprobs[:, :, :num_samples]),
-        greedy_target_lps=per_anchor(greedy.target_logprobs)[:, 0],
-        greedy_draft_lps=per_anchor(drafted.teacher_logprobs[:, :, num_samples:]).detach()[:, 0],
-        mask=per_anchor(anchor_valid[:, :, None, None].expand_as(drafted.proposals)),
+        proposal_target_lps=_per_anchor(proposal_target_lps),
+        proposal_draft_lps=_per_anchor(drafted.proposal_logprobs),
+        correction_target_lps=_per_anchor(corrections.target_logprobs),
+        correction_draft_lps=_per_anchor(drafted.teacher_logprobs[:, :, :num_samples]),
+        greedy_target_lps=_per_anchor(greedy.target_logprobs)[:, 0],
+        greedy_draft_lps=_per_anchor(drafted.teacher_logprobs[:, :, num_samples:]).detach()[:, 0],
+        mask=_per_anchor(anchor_valid[:, :, None, None].expand_as(drafted.proposals)),
         step0_hidden=drafted.step0_hidden,
     )

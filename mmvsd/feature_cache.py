@@ -26,6 +26,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from mmvsd.data.render import RenderedExample
 from mmvsd.errors import UserError
 from mmvsd.features import FeatureBatch, TokenBatch, capture_features, collate
 from mmvsd.files import atomic_file
@@ -329,6 +331,15 @@ class FeatureCache:
         while len(self._open) > self.max_open_shards:
             self._open.popitem(last=False)
         return self._open[index]
+
+    def token_examples(self) -> list[RenderedExample]:
+        """Ids and loss masks of every example (no features read), e.g. to count token frequencies."""
+        examples = []
+        for shard in range(len(self.manifest["shards"])):
+            handle, offsets = self._shard(shard)
+            ids, mask = handle.get_tensor("input_ids").tolist(), handle.get_tensor("loss_mask").tolist()
+            examples += [RenderedExample(ids[a:b], [int(m) for m in mask[a:b]]) for a, b in pairwise(offsets)]
+        return examples
 
     def example(self, index: int) -> dict[str, Tensor]:
         """The unpadded token rows of one example: input_ids/loss_mask [T], features [T, F], target_hidden [T, H]."""

@@ -145,7 +145,7 @@ def make_objective(name: str, config: ObjectiveConfig) -> Objective:
     def vsd_kl(drafter, target, batch, generator):
         loss, metrics, step0 = vsd_loss(drafter, target, batch, config, generator)
         kl = topk_kl_loss(drafter, target, batch, step0, config.kl_topk)
-        metrics["topk_kl"] = float(kl)
+        metrics["topk_kl"] = float(kl.detach())
         return loss + config.kl_alpha * kl, metrics
 
     def ce_vsd(drafter, target, batch, generator):

@@ -144,11 +144,22 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return result
 
 
+def _config_path(name: str) -> Path:
+    """A YAML path, or the name of a config shipped in configs/ (e.g. `smollm2_cpu`)."""
+    path = Path(name)
+    if path.exists():
+        return path
+    import mmvsd.configs
+
+    shipped = Path(mmvsd.configs.__file__).parent / f"{path.stem}.yaml"
+    return shipped if shipped.exists() else path
+
+
 def load_train_config(config_file: str | None, flags: dict[str, Any], overrides: list[str]) -> TrainConfig:
     """Resolve a TrainConfig: defaults < YAML file < flags (None = not given) < key=value overrides."""
     config = TrainConfig()
     if config_file:
-        path = Path(config_file)
+        path = _config_path(config_file)
         try:
             values = yaml.safe_load(path.read_text()) or {}
         except FileNotFoundError:

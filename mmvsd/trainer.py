@@ -123,6 +123,21 @@ class OnlineSource:
         return capture_features(self.target, collate([self.examples[i] for i in indices]), keep_cache=True)
 
 
+class OfflineSource:
+    """Training batches read from a feature cache written by `mmvsd prepare`."""
+
+    def __init__(self, cache, dtype: torch.dtype) -> None:
+        self.cache = cache
+        self.dtype = dtype
+        self.examples = cache.token_examples()
+
+    def __len__(self) -> int:
+        return len(self.cache)
+
+    def batch(self, indices: list[int]) -> FeatureBatch:
+        return self.cache.batch(indices, dtype=self.dtype)
+
+
 def check_output(out_dir: Path, resume: bool) -> Path | None:
     """The checkpoint to resume from (None for a fresh run); never overwrite an earlier run."""
     latest = latest_checkpoint(out_dir)
@@ -193,6 +208,8 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
     resume_from = check_output(out_dir, resume)
     if resume_from is not None:
         check_resume_config(resume_from, config)
+    if config.features == "online":
+        check_dataset_exists(config.data)
     accelerator = _accelerator(config, out_dir)
     if target is None:
         from mmvsd.targets import load_target
@@ -230,6 +247,15 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
     if accelerator.is_main_process:
         publish_drafter(accelerator.unwrap_model(model), out_dir)
     return out_dir
+
+
+def check_dataset_exists(spec: str) -> None:
+    """Fail before loading a target when the dataset file is not there."""
+    from mmvsd.data.conversations import parse_dataset_spec
+
+    _, path = parse_dataset_spec(spec)
+    if path is not None and not path.exists():
+        raise UserError(f"dataset file not found: {path}")
 
 
 def _postfix(metrics: dict[str, float]) -> dict[str, str]:
@@ -281,8 +307,8 @@ def _training_source(config: TrainConfig, target: Target, out_dir: Path):
         from mmvsd.feature_cache import FeatureCache, check_cache_matches
 
         cache = FeatureCache(config.feature_cache)
-        check_cache_matches(cache, target, _data_settings(config))
-        return OfflineSource(cache)
+        check_cache_matches(cache, target, data_settings(config))
+        return OfflineSource(cache, target.dtype)
     split = load_examples(
         target, config.data, num_conversations=config.num_conversations, max_length=config.max_length,
         validation_fraction=config.validation_fraction, seed=config.seed, regenerate=config.regenerate,
@@ -292,7 +318,7 @@ def _training_source(config: TrainConfig, target: Target, out_dir: Path):
     return OnlineSource(target, split.train)
 
 
-def _data_settings(config: TrainConfig) -> dict:
+def data_settings(config: TrainConfig) -> dict:
     """The settings that decide which examples a feature cache holds."""
     keys = ("target", "data", "num_conversations", "max_length", "validation_fraction", "seed", "regenerate",
             "regenerate_max_new_tokens")

@@ -1,0 +1,102 @@
+"""Training step cost on a real target: `ce` vs `vsd` at several S (and L), plus feature capture speed.
+
+Every objective runs on the same batches, interleaved round by round after a warm-up round; a
+step is objective forward + backward + AdamW update (target features captured outside the timer,
+as they are the same for all). Reports medians and ratios to `ce`, and writes JSON + the config.
+
+    python benchmarks/bench_train.py --target smollm2-135m --rounds 5 --max-length 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from mmvsd.drafters.eagle3 import Eagle3Drafter
+from mmvsd.features import capture_features, collate
+from mmvsd.objectives import ObjectiveConfig, make_objective
+from mmvsd.targets import load_target
+from mmvsd.train_data import draft_vocab_from_counts, load_examples, token_frequencies
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--data", default="sharegpt")
+    p.add_argument("--num-conversations", type=int, default=200)
+    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--anchors", type=int, default=8)
+    p.add_argument("--draft-vocab-size", type=int, default=8192)
+    p.add_argument("--variants", default="ce,vsd:S=8,vsd:S=40,vsd:S=8:L=4,vsd:S=8:A=4,vsd-kl:S=8")
+    p.add_argument("--out", default="benchmarks/results/bench_train.json")
+    return p.parse_args()
+
+
+def variant_config(spec: str, anchors: int) -> tuple[str, ObjectiveConfig]:
+    """'vsd:S=8:L=4:A=8' -> ("vsd", ObjectiveConfig(num_samples=8, path_length=4, num_anchors=8))."""
+    name, *settings = spec.split(":")
+    keys = {"S": "num_samples", "L": "path_length", "A": "num_anchors"}
+    values = {"num_anchors": anchors}
+    for item in settings:
+        key, _, value = item.partition("=")
+        values[keys[key]] = int(value)
+    return name, ObjectiveConfig(**values)
+
+
+def timed_step(objective, drafter, optimizer, target, batch, seed: int) -> float:
+    start = time.perf_counter()
+    loss, _ = objective(drafter, target, batch, torch.Generator().manual_seed(seed))
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    args = parse_args()
+    torch.manual_seed(0)
+    target = load_target(args.target)
+    split = load_examples(target, args.data, num_conversations=args.num_conversations, max_length=args.max_length,
+                          validation_fraction=0.0, seed=0, progress=False)
+    examples = sorted(split.train, key=lambda ex: -len(ex.input_ids))  # the longest: full-length batches
+    vocab = args.draft_vocab_size
+    drafter = Eagle3Drafter.from_target(target, draft_vocab_size=vocab)
+    drafter.set_draft_vocab(draft_vocab_from_counts(token_frequencies(split.train, target.vocab_size), vocab))
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0)
+    variants = [(spec, *variant_config(spec, args.anchors)) for spec in args.variants.split(",")]
+    objectives = {spec: make_objective(name, cfg) for spec, name, cfg in variants}
+    times: dict[str, list[float]] = {spec: [] for spec in objectives}
+    capture: list[float] = []
+    for round_index in range(args.rounds + 1):  # round 0 is the warm-up
+        rows = examples[round_index * args.batch_size : (round_index + 1) * args.batch_size]
+        tokens = collate(rows)
+        start = time.perf_counter()
+        batch = capture_features(target, tokens, keep_cache=True)
+        elapsed = time.perf_counter() - start
+        for spec, objective in objectives.items():
+            seconds = timed_step(objective, drafter, optimizer, target, batch, round_index)
+            if round_index:
+                times[spec].append(seconds)
+        if round_index:
+            capture.append(int(tokens.lengths.sum()) / elapsed)
+        print(f"round {round_index}: {int(tokens.lengths.sum())} tokens", flush=True)
+    base = statistics.median(times["ce"]) if "ce" in times else None
+    report = {"target": args.target, "args": vars(args), "feature_capture_tokens_per_s": statistics.median(capture),
+              "step_seconds": {k: statistics.median(v) for k, v in times.items()}}
+    print(f"feature capture: {report['feature_capture_tokens_per_s']:.0f} tokens/s (median)")
+    for spec, seconds in report["step_seconds"].items():
+        ratio = f"{seconds / base:.2f}x ce" if base else ""
+        print(f"{spec:>16}: {seconds:.3f} s/step  {ratio}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""`mmvsd prepare`: capture the target features of a run's training examples into an offline cache."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from mmvsd.errors import UserError
+from mmvsd.train_config import TrainConfig
+
+DTYPES = {"auto": None, "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
+
+
+def prepare_feature_cache(config: TrainConfig, dtype: str = "auto", assume_yes: bool = False) -> Path:
+    """Render the same training examples `mmvsd train` would, print the size, then write the cache."""
+    from mmvsd.feature_cache import plan_feature_cache, write_feature_cache
+    from mmvsd.targets import load_target
+    from mmvsd.train_data import load_examples
+    from mmvsd.trainer import data_settings
+
+    out_dir = Path(config.feature_cache)
+    target = load_target(config.target)
+    split = load_examples(
+        target, config.data, num_conversations=config.num_conversations, max_length=config.max_length,
+        validation_fraction=config.validation_fraction, seed=config.seed, regenerate=config.regenerate,
+        regenerate_max_new_tokens=config.regenerate_max_new_tokens,
+        regenerate_cache=out_dir.parent / f"{out_dir.name}.regenerated-{config.regenerate}.jsonl",
+        progress=config.progress,
+    )
+    plan = plan_feature_cache(target, split.train, dtype=DTYPES[dtype])
+    print(plan.describe(out_dir), flush=True)
+    if not assume_yes and sys.stdin.isatty() and input("proceed? [y/N] ").strip().lower() not in ("y", "yes"):
+        raise UserError("cancelled; nothing written")
+    write_feature_cache(target, split.train, out_dir, settings=data_settings(config), dtype=DTYPES[dtype],
+                        progress=config.progress)
+    print(f"feature cache ready: train with features=offline feature_cache={out_dir}")
+    return out_dir

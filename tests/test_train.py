@@ -1,0 +1,213 @@
+"""`mmvsd train` / `mmvsd prepare` end to end on a tiny saved target, resume identity, bad input."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import save_tiny_target
+from mmvsd import trainer
+from mmvsd.cli import main
+from mmvsd.train_config import TrainConfig, load_train_config
+from mmvsd.train_data import draft_vocab_from_counts
+
+TINY = ["draft_vocab_size=64", "batch_size=2", "loss.num_samples=4", "loss.num_anchors=2", "loss.path_length=3",
+        "loss.ttt_steps=3", "progress=false", "validation_fraction=0"]
+
+
+def write_sharegpt(path: Path, num: int = 10, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    words = lambda n: " ".join(f"w{rng.randrange(4, 120)}" for _ in range(n))
+    records = [{"id": str(i), "conversations": [{"from": "human", "value": words(4)}, {"from": "gpt", "value": words(10)},
+                                                {"from": "human", "value": words(3)}, {"from": "gpt", "value": words(8)}]}
+               for i in range(num)]
+    path.write_text(json.dumps(records))
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("train")
+    return save_tiny_target(root / "target"), write_sharegpt(root / "data.json")
+
+
+def train_cli(capsys, target: Path, data: Path, out: Path, *extra: str) -> tuple[int, str]:
+    code = main(["train", "--target", str(target), "--data", str(data), "--output", str(out), *TINY, *extra])
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("objective", ["ce", "vsd", "vsd-kl", "ce+vsd"])
+def test_two_step_train_then_generate(setup, tmp_path, capsys, objective):
+    target, data = setup
+    code, err = train_cli(capsys, target, data, tmp_path / "out", "--objective", objective, "max_steps=2")
+    assert code == 0, err
+    out = tmp_path / "out"
+    assert {"config.json", "model.safetensors", "train_config.yaml"} <= {p.name for p in out.iterdir()}
+    assert (out / "checkpoints" / "step-0000002" / "trainer_state.json").is_file()
+    assert list((out / "logs").rglob("events.out.tfevents*"))
+    code = main(["generate", "--target", str(target), "--drafter", str(out), "--prompt", "w5 w6", "--max-new-tokens", "8"])
+    assert code == 0
+
+
+def test_draft_vocab_comes_from_assistant_token_frequencies(setup, tmp_path, capsys):
+    target, data = setup
+    assert train_cli(capsys, target, data, tmp_path / "out", "max_steps=1")[0] == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["draft_vocab_size"] == 64
+    weights = load_file(str(tmp_path / "out" / "model.safetensors"))
+    draft_ids = torch.arange(64) + weights["d2t"]
+    # the data only uses w4..w119 in assistant turns: w0..w3 (ids 4..7) are never counted
+    assert weights["t2d"].sum() == 64 and not weights["t2d"][4:8].any()
+    assert (draft_ids.diff() > 0).all()
+    counts = torch.tensor([5, 0, 7, 7, 1, 0])
+    assert draft_vocab_from_counts(counts, 4).tolist() == [2, 3, 0, 4]  # by count, ties by lower id
+
+
+def test_resume_ends_with_the_same_weights(setup, tmp_path, capsys, monkeypatch):
+    target, data = setup
+    common = ["--objective", "vsd-kl", "max_steps=4", "save_every=2", "learning_rate=0.01"]
+    assert train_cli(capsys, target, data, tmp_path / "full", *common)[0] == 0
+    real_step = trainer._optimizer_step
+
+    def interrupted(config, accelerator, model, optimizer, scheduler, objective, target, source, state):
+        if state.step == 3:
+            raise KeyboardInterrupt
+        return real_step(config, accelerator, model, optimizer, scheduler, objective, target, source, state)
+
+    monkeypatch.setattr(trainer, "_optimizer_step", interrupted)
+    assert train_cli(capsys, target, data, tmp_path / "cut", *common)[0] == 130
+    assert not (tmp_path / "cut" / "model.safetensors").exists()
+    assert trainer.latest_checkpoint(tmp_path / "cut").name == "step-0000002"
+    monkeypatch.setattr(trainer, "_optimizer_step", real_step)
+    code, err = train_cli(capsys, target, data, tmp_path / "cut", *common)
+    assert code == 2 and "--resume" in err  # never silently restarts over an earlier run
+    assert train_cli(capsys, target, data, tmp_path / "cut", *common, "--resume")[0] == 0
+    full = load_file(str(tmp_path / "full" / "model.safetensors"))
+    resumed = load_file(str(tmp_path / "cut" / "model.safetensors"))
+    assert full.keys() == resumed.keys()
+    for key in full:
+        assert torch.equal(full[key], resumed[key]), key
+
+
+def test_interrupted_checkpoint_write_keeps_the_previous_one(setup, tmp_path, capsys, monkeypatch):
+    target, data = setup
+    assert train_cli(capsys, target, data, tmp_path / "out", "max_steps=2", "save_every=1")[0] == 0
+    half_written = tmp_path / "out" / "checkpoints" / ".step-0000003.tmp"
+    half_written.mkdir()
+    (half_written / "model.safetensors").write_bytes(b"partial")
+    assert trainer.latest_checkpoint(tmp_path / "out").name == "step-0000002"
+    assert len(list((tmp_path / "out" / "checkpoints").glob("step-*"))) == 2  # keep_checkpoints
+
+
+def test_non_finite_losses_are_skipped_then_stop_the_run(setup, tmp_path, capsys, monkeypatch):
+    target, data = setup
+    from mmvsd import objectives
+
+    real = objectives.make_objective
+    calls = {"n": 0}
+
+    def sometimes_nan(name, config):
+        objective = real(name, config)
+
+        def wrapped(drafter, target, batch, generator):
+            loss, metrics = objective(drafter, target, batch, generator)
+            calls["n"] += 1
+            return (loss * float("nan") if calls["n"] >= 3 else loss), metrics
+
+        return wrapped
+
+    monkeypatch.setattr(trainer, "make_objective", sometimes_nan)
+    code, err = train_cli(capsys, target, data, tmp_path / "out", "max_steps=10", "save_every=2", "max_bad_steps=3")
+    assert code == 2 and "non-finite loss" in err and "max_bad_steps=3" in err
+    latest = trainer.latest_checkpoint(tmp_path / "out")  # skipped steps count as steps: 3 and 4 were skipped
+    assert latest.name == "step-0000004"
+    assert json.loads((latest / "trainer_state.json").read_text()) == {"step": 4, "num_bad_steps": 2}
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+def test_offline_feature_cache_trains_like_online(setup, tmp_path, capsys):
+    target, data = setup
+    cache = tmp_path / "cache"
+    assert main(["prepare", "--target", str(target), "--data", str(data), "--output", str(cache), "--yes", *TINY]) == 0
+    assert "will write" in capsys.readouterr().out
+    common = ["--objective", "ce+vsd", "max_steps=2", "learning_rate=0.01"]
+    assert train_cli(capsys, target, data, tmp_path / "online", *common)[0] == 0
+    assert train_cli(capsys, target, data, tmp_path / "offline", *common, "features=offline",
+                     f"feature_cache={cache}")[0] == 0
+    online = load_file(str(tmp_path / "online" / "model.safetensors"))
+    offline = load_file(str(tmp_path / "offline" / "model.safetensors"))
+    for key in online:
+        torch.testing.assert_close(online[key], offline[key], atol=1e-4, rtol=1e-3)
+    code, err = train_cli(capsys, target, data, tmp_path / "other", "max_steps=1", "max_length=10",
+                          "features=offline", f"feature_cache={cache}")
+    assert code == 2 and "max_length" in err
+
+
+def bad_cases(target: Path, data: Path, tmp: Path, drafter_for_other: Path) -> dict[str, tuple[list[str], str]]:
+    empty = tmp / "empty.json"
+    empty.write_text("")
+    corrupt = tmp / "corrupt.json"
+    corrupt.write_text('[{"conversations": [{"from": "human", "value": "w1"}, ')
+    no_answer = tmp / "no_answer.json"
+    no_answer.write_text(json.dumps([{"conversations": [{"from": "human", "value": "w5 w6"}]}]))
+    base = ["--target", str(target), "--output", str(tmp / "bad-out"), *TINY]
+    return {
+        "missing data": (["--data", str(tmp / "nope.json"), *base], "nope.json"),
+        "empty data": (["--data", str(empty), *base], "empty.json"),
+        "corrupt data": (["--data", str(corrupt), *base], "corrupt.json"),
+        "no assistant turn": (["--data", str(no_answer), *base], "without an assistant turn"),
+        "all too long": (["--data", str(data), *base, "max_length=2"], "max_length=2"),
+        "init for another target": (["--data", str(data), *base, "--init", str(drafter_for_other)], "does not fit"),
+        "unknown key": (["--data", str(data), *base, "learning_rat=1"], "unknown config key 'learning_rat'"),
+        "wrong type": (["--data", str(data), *base, "batch_size=two"], "batch_size"),
+        "bad objective": (["--data", str(data), *base, "--objective", "kl"], "objective"),
+        "missing config": (["--data", str(data), *base, "--config", str(tmp / "none.yaml")], "none.yaml"),
+    }
+
+
+def test_bad_input_is_one_clear_error(setup, tmp_path, capsys):
+    target, data = setup
+    other = save_tiny_target(tmp_path / "other-target", vocab=96)
+    other_out = tmp_path / "other-drafter"
+    assert main(["train", "--target", str(other), "--data", str(data), "--output", str(other_out), *TINY,
+                 "max_steps=1"]) == 0
+    capsys.readouterr()
+    for name, (argv, message) in bad_cases(target, data, tmp_path, other_out).items():
+        code = main(["train", *argv])
+        err = capsys.readouterr().err
+        assert code == 2, name
+        last = err.strip().splitlines()[-1]  # (after the target's own loading bar, if it got that far)
+        assert last.startswith("mmvsd: error:") and message in last, (name, err)
+        assert "Traceback" not in err
+        assert not (tmp_path / "bad-out" / "model.safetensors").exists(), name
+
+
+def test_config_resolution_order(tmp_path):
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("target: a\noutput: o\nlearning_rate: 0.5\nloss:\n  num_samples: 9\n  use_car: false\n")
+    config = load_train_config(str(yaml_file), {"target": "b", "objective": None}, ["loss.num_samples=3", "epochs=2"])
+    assert (config.target, config.learning_rate, config.epochs) == ("b", 0.5, 2.0)
+    assert (config.loss.num_samples, config.loss.use_car, config.loss.path_length) == (3, False, 7)
+    shipped = load_train_config("smollm2_cpu", {"output": "o"}, [])
+    assert shipped.target == "smollm2-135m" and shipped.draft_vocab_size == 8192
+
+
+def test_learning_rate_schedule_warmup_then_cosine_to_floor():
+    config = TrainConfig(warmup_ratio=0.1, min_lr_ratio=0.01)
+    factor = trainer.lr_lambda(config, 100)
+    assert factor(0) == 0 and factor(5) == pytest.approx(0.5) and factor(10) == pytest.approx(1.0)
+    assert factor(55) == pytest.approx(0.01 + 0.99 * 0.5) and factor(100) == pytest.approx(0.01)
+    linear = trainer.lr_lambda(TrainConfig(warmup_ratio=0.1, schedule="linear"), 100)
+    assert linear(55) == pytest.approx(0.5) and linear(100) == pytest.approx(0.0)
+
+
+def test_batches_cover_every_example_once_per_epoch():
+    seen = [i for step in range(5) for i in trainer.batch_indices(10, 2, seed=3, micro_step=step)]
+    assert sorted(seen) == list(range(10))
+    second_epoch = [i for step in range(5, 10) for i in trainer.batch_indices(10, 2, seed=3, micro_step=step)]
+    assert sorted(second_epoch) == list(range(10)) and second_epoch != seen  # reshuffled each epoch
