@@ -96,6 +96,25 @@ def main() -> None:
         print(f"{spec:>16}: {seconds:.3f} s/step  {ratio}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, Path(args.out).with_suffix(".png"))
+
+
+def plot(report: dict, path: Path) -> None:
+    """Bar chart of the median step time of each objective variant."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names, seconds = zip(*report["step_seconds"].items())
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.bar(names, seconds, color="tab:blue")
+    ax.set_ylabel("seconds per training step (median)")
+    ax.set_title(f"{report['target']}: batch {report['args']['batch_size']} x {report['args']['max_length']} tokens")
+    ax.tick_params(axis="x", rotation=20)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -211,3 +211,16 @@ def test_batches_cover_every_example_once_per_epoch():
     assert sorted(seen) == list(range(10))
     second_epoch = [i for step in range(5, 10) for i in trainer.batch_indices(10, 2, seed=3, micro_step=step)]
     assert sorted(second_epoch) == list(range(10)) and second_epoch != seen  # reshuffled each epoch
+
+
+def test_bf16_and_on_policy_regeneration(setup, tmp_path, capsys):
+    target, data = setup
+    code, err = train_cli(capsys, target, data, tmp_path / "out", "max_steps=1", "precision=bf16",
+                          "regenerate=greedy", "regenerate_max_new_tokens=6", "num_conversations=3")
+    assert code == 0, err
+    cached = [json.loads(line) for line in (tmp_path / "out" / "regenerated-greedy.jsonl").read_text().splitlines()]
+    assert len(cached) == 3  # validation_fraction=0: every conversation is a training one
+    original = {r["id"]: r for r in json.loads(data.read_text())}
+    for record in cached:
+        answers = [t["text"] for t in record["turns"] if t["role"] == "assistant"]
+        assert answers and answers[0] != original[record["conv_id"]]["conversations"][1]["value"]
