@@ -182,7 +182,11 @@ def publish_drafter(drafter: Drafter, out_dir: Path) -> None:
 def _accelerator(config: TrainConfig, out_dir: Path):
     """One Accelerator; under `accelerate launch` with DeepSpeed, our batch settings fill its config."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
 
+    # one process may train several times (notebooks, tests) with other precisions: AcceleratorState
+    # is a process-wide singleton, so forget its settings (the distributed PartialState is kept)
+    AcceleratorState._reset_state()
     accelerator = Accelerator(mixed_precision="bf16" if config.precision == "bf16" else "no",
                               log_with="tensorboard", project_dir=str(out_dir / "logs"))
     plugin = accelerator.state.deepspeed_plugin
