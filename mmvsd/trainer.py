@@ -191,6 +191,8 @@ def _accelerator(config: TrainConfig, out_dir: Path):
                               log_with="tensorboard", project_dir=str(out_dir / "logs"))
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None:
+        if config.grad_accum != 1:  # DeepSpeed's engine steps on every backward under accelerate
+            raise UserError("with DeepSpeed use grad_accum=1 (scale the batch with batch_size and GPUs)")
         plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = config.batch_size
         plugin.deepspeed_config["gradient_accumulation_steps"] = 1  # we accumulate ourselves
         plugin.deepspeed_config["gradient_clipping"] = config.max_grad_norm
