@@ -104,6 +104,11 @@ def _coerce(key: str, value: Any, kind: Any) -> Any:
         kind = next(k for k in typing.get_args(kind) if k is not type(None))
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if kind is float and isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if kind is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):

@@ -190,8 +190,8 @@ def test_bad_input_is_one_clear_error(setup, tmp_path, capsys):
 def test_config_resolution_order(tmp_path):
     yaml_file = tmp_path / "run.yaml"
     yaml_file.write_text("target: a\noutput: o\nlearning_rate: 0.5\nloss:\n  num_samples: 9\n  use_car: false\n")
-    config = load_train_config(str(yaml_file), {"target": "b", "objective": None}, ["loss.num_samples=3", "epochs=2"])
-    assert (config.target, config.learning_rate, config.epochs) == ("b", 0.5, 2.0)
+    config = load_train_config(str(yaml_file), {"target": "b", "objective": None}, ["loss.num_samples=3", "epochs=2", "learning_rate=1e-4"])
+    assert (config.target, config.learning_rate, config.epochs) == ("b", 1e-4, 2.0)
     assert (config.loss.num_samples, config.loss.use_car, config.loss.path_length) == (3, False, 7)
     shipped = load_train_config("smollm2_cpu", {"output": "o"}, [])
     assert shipped.target == "smollm2-135m" and shipped.draft_vocab_size == 8192
