@@ -82,7 +82,8 @@ class Target:
         """Run N new tokens per row on top of the cache and append their KV as the cache's block.
 
         token_ids [B, N]; depths [B, N]: position offsets after each row's committed tokens;
-        block_mask [B, N, N]: which new tokens each new token attends to (itself included);
+        block_mask [B, N, M]: which of the M block entries (appended since the last commit, these N
+            last) each new token attends to (itself included);
         logit_positions [B, M]: query indices whose logits are wanted (default: all N);
         inputs_embeds [B, N, H]: given instead of embedding token_ids (e.g. image features);
         past_lens [B, N]: committed tokens each new token sees (default all: see RaggedCache).
