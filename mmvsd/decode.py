@@ -14,6 +14,7 @@ from torch import Tensor
 
 from mmvsd.drafter import Drafter, DraftInputs
 from mmvsd.errors import UserError
+from mmvsd.kv import sequence_block
 from mmvsd.target import Target
 from mmvsd.tree import TreeShape, build_dynamic_tree
 from mmvsd.verify import sample_next, verify
@@ -77,8 +78,7 @@ def _prefill(target: Target, prompts: list[list[int]], need_aux: bool):
     ids, lens = _pad_prompts(prompts, target.device)
     batch, width = ids.shape
     cache = target.new_cache(batch)
-    depths = torch.arange(width, device=ids.device).expand(batch, width)
-    causal = torch.ones(width, width, dtype=torch.bool, device=ids.device).tril().expand(batch, -1, -1)
+    depths, causal = sequence_block(batch, width, ids.device)
     out = target.forward(cache, ids, depths, causal, need_aux=need_aux, logit_positions=(lens - 1)[:, None])
     cache.keep(depths, lens)
     return cache, ids, lens, out.logits[:, 0], out.aux_hidden

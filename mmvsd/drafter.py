@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from mmvsd.errors import UserError
-from mmvsd.kv import RaggedCache
+from mmvsd.kv import RaggedCache, sequence_block
 
 DRAFTERS: dict[str, type[Drafter]] = {}
 
@@ -119,6 +119,14 @@ def load_drafter(path: str | Path, target) -> Drafter:
     return drafter
 
 
+def target_to_draft_ids(drafter: Drafter, vocab_size: int) -> Tensor:
+    """[V] long: the draft id of every target id, -1 where it is outside the draft vocabulary."""
+    vocab_ids = drafter.draft_vocab_target_ids()
+    index = torch.full((vocab_size,), -1, dtype=torch.long, device=vocab_ids.device)
+    index[vocab_ids] = torch.arange(vocab_ids.numel(), device=vocab_ids.device)
+    return index
+
+
 class DraftSession:
     """One drafter's state while decoding a batch: its ragged KV cache and last outputs."""
 
@@ -136,8 +144,7 @@ class DraftSession:
         """Feed newly committed pairs and commit them to the drafter's cache."""
         batch, width = inputs.next_ids.shape
         device = inputs.next_ids.device
-        depths = torch.arange(width, device=device).expand(batch, width)
-        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(batch, -1, -1)
+        depths, causal = sequence_block(batch, width, device)
         hidden = self.drafter(
             inputs.features.to(self.dtype), inputs.next_ids, self.cache.positions(depths),
             self.cache.attention_mask(causal, self.dtype), self.cache, from_target=True,

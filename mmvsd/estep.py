@@ -28,10 +28,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mmvsd.drafter import Drafter
+from mmvsd.drafter import Drafter, target_to_draft_ids
 from mmvsd.features import FeatureBatch, TokenBatch, prefix_cache
-from mmvsd.kv import RaggedCache
+from mmvsd.kv import RaggedCache, sequence_block
 from mmvsd.target import Target
+from mmvsd.unroll import shifted
 
 
 @dataclass
@@ -160,10 +161,8 @@ def draft_pass(
     dtype = next(drafter.parameters()).dtype
     device = tokens.input_ids.device
     cache = RaggedCache(batch_size, device)
-    depths = torch.arange(width, device=device).expand(batch_size, width)
-    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(batch_size, -1, -1)
-    next_ids = torch.cat([tokens.input_ids[:, 1:], tokens.input_ids.new_zeros(batch_size, 1)], dim=1)
-    step0 = drafter(batch.features.to(dtype), next_ids, depths, cache.attention_mask(causal, dtype), cache,
+    depths, causal = sequence_block(batch_size, width, device)
+    step0 = drafter(batch.features.to(dtype), shifted(tokens.input_ids, 1), depths, cache.attention_mask(causal, dtype), cache,
                     from_target=True)  # [B, T, H]
     cache.keep(depths, tokens.lengths)
     hidden = _gather_positions(step0, anchors)[:, :, None].expand(-1, -1, slots, -1)  # [B, A, K, H]
@@ -294,12 +293,9 @@ def run_estep(drafter: Drafter, target: Target, batch: FeatureBatch, num_anchors
     """Anchors, target rollouts, drafter pass and packed scoring (module docstring)."""
     cache = batch.target_cache if batch.target_cache is not None else prefix_cache(target, batch.tokens)
     anchors, anchor_valid = choose_anchors(batch.tokens, num_anchors, generator)
-    vocab_ids = drafter.draft_vocab_target_ids()
-    in_vocab = torch.zeros(target.vocab_size, dtype=torch.bool, device=anchors.device)
-    in_vocab[vocab_ids] = True
-    target_to_draft = torch.full((target.vocab_size,), -1, dtype=torch.long, device=anchors.device)
-    target_to_draft[vocab_ids] = torch.arange(vocab_ids.numel(), device=anchors.device)
-    corrections, greedy = target_rollouts(target, cache, batch, anchors, in_vocab, num_samples, path_length, generator)
+    target_to_draft = target_to_draft_ids(drafter, target.vocab_size)
+    corrections, greedy = target_rollouts(target, cache, batch, anchors, target_to_draft >= 0, num_samples,
+                                          path_length, generator)
     given = torch.cat([corrections.token_ids, greedy.token_ids], dim=2)
     drafted = draft_pass(drafter, batch, anchors, given, target_to_draft, num_samples, path_length, generator)
     proposal_target_lps = score_paths_packed(target, cache, batch, anchors, drafted.proposals)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mmvsd.kv import RaggedCache
-from mmvsd.target import Target
+from mmvsd.kv import RaggedCache, sequence_block
+from mmvsd.target import Target, TargetOutput
 
 
 @dataclass(frozen=True)
@@ -59,23 +59,26 @@ class FeatureBatch:
     target_cache: RaggedCache | None = None  # KV of every position, rows committed to `lengths`
 
 
-@torch.no_grad()
-def capture_features(target: Target, tokens: TokenBatch, keep_cache: bool = False) -> FeatureBatch:
-    """One causal target forward over the batch (online feature capture)."""
-    tokens = tokens.to(target.device)
+def _causal_forward(target: Target, tokens: TokenBatch, need_aux: bool) -> tuple[RaggedCache, TargetOutput]:
+    """One causal target forward over the batch (no logits); the cache's rows end at their lengths."""
     batch, width = tokens.input_ids.shape
     cache = target.new_cache(batch)
-    depths = torch.arange(width, device=target.device).expand(batch, width)
-    causal = torch.ones(width, width, dtype=torch.bool, device=target.device).tril().expand(batch, -1, -1)
+    depths, causal = sequence_block(batch, width, target.device)
     no_logits = torch.zeros(batch, 0, dtype=torch.long, device=target.device)
-    out = target.forward(cache, tokens.input_ids, depths, causal, logit_positions=no_logits)
-    if not keep_cache:
-        return FeatureBatch(tokens, out.aux_hidden, out.last_hidden)
+    out = target.forward(cache, tokens.input_ids, depths, causal, need_aux=need_aux, logit_positions=no_logits)
     cache.keep(depths, tokens.lengths)
-    return FeatureBatch(tokens, out.aux_hidden, out.last_hidden, cache)
+    return cache, out
+
+
+@torch.no_grad()
+def capture_features(target: Target, tokens: TokenBatch, keep_cache: bool = False) -> FeatureBatch:
+    """Online feature capture: one causal target forward over the batch."""
+    tokens = tokens.to(target.device)
+    cache, out = _causal_forward(target, tokens, need_aux=True)
+    return FeatureBatch(tokens, out.aux_hidden, out.last_hidden, cache if keep_cache else None)
 
 
 @torch.no_grad()
 def prefix_cache(target: Target, tokens: TokenBatch) -> RaggedCache:
     """The target's KV cache of a batch (for batches whose features came from an offline cache)."""
-    return capture_features(target, tokens, keep_cache=True).target_cache
+    return _causal_forward(target, tokens.to(target.device), need_aux=False)[0]

@@ -14,6 +14,13 @@ from torch import Tensor
 from transformers import DynamicCache
 
 
+def sequence_block(batch_size: int, width: int, device: torch.device | str) -> tuple[Tensor, Tensor]:
+    """Depths [B, T] and causal block mask [B, T, T] for appending T consecutive tokens to every row."""
+    depths = torch.arange(width, device=device).expand(batch_size, width)
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril().expand(batch_size, -1, -1)
+    return depths, causal
+
+
 class RaggedCache:
     """An HF `DynamicCache` plus per-row committed lengths."""
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mmvsd.drafter import Drafter
+from mmvsd.drafter import Drafter, target_to_draft_ids
 from mmvsd.errors import UserError
 from mmvsd.estep import EStepPaths, run_estep
 from mmvsd.features import FeatureBatch
@@ -64,10 +64,8 @@ Objective = Callable[[Drafter, Target, FeatureBatch, torch.Generator], tuple[Ten
 def draft_vocab_logits(target: Target, drafter: Drafter, target_hidden: Tensor) -> tuple[Tensor, Tensor]:
     """Target logits over the draft vocabulary [..., Vd] and whether the full top-1 is in it [...]."""
     logits = target.logits(target_hidden)  # [..., V]
-    vocab_ids = drafter.draft_vocab_target_ids()
-    in_vocab = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-    in_vocab[vocab_ids] = True
-    return logits[..., vocab_ids].float(), in_vocab[logits.argmax(-1)]
+    in_vocab = target_to_draft_ids(drafter, logits.shape[-1]) >= 0
+    return logits[..., drafter.draft_vocab_target_ids()].float(), in_vocab[logits.argmax(-1)]
 
 
 def ce_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: ObjectiveConfig) -> tuple[Tensor, Metrics]:

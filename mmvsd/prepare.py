@@ -15,18 +15,11 @@ def prepare_feature_cache(config: TrainConfig, dtype: str = "auto", assume_yes: 
     """Render the same training examples `mmvsd train` would, print the size, then write the cache."""
     from mmvsd.feature_cache import plan_feature_cache, write_feature_cache
     from mmvsd.targets import load_target
-    from mmvsd.train_data import load_examples
-    from mmvsd.trainer import data_settings
+    from mmvsd.trainer import config_examples, data_settings
 
     out_dir = Path(config.feature_cache)
     target = load_target(config.target)
-    split = load_examples(
-        target, config.data, num_conversations=config.num_conversations, max_length=config.max_length,
-        validation_fraction=config.validation_fraction, seed=config.seed, regenerate=config.regenerate,
-        regenerate_max_new_tokens=config.regenerate_max_new_tokens,
-        regenerate_cache=out_dir.parent / f"{out_dir.name}.regenerated-{config.regenerate}.jsonl",
-        progress=config.progress,
-    )
+    split = config_examples(config, target, out_dir.parent / f"{out_dir.name}.regenerated-{config.regenerate}.jsonl")
     plan = plan_feature_cache(target, split.train, dtype=DTYPES[dtype])
     print(plan.describe(out_dir), flush=True)
     if not assume_yes and sys.stdin.isatty() and input("proceed? [y/N] ").strip().lower() not in ("y", "yes"):

@@ -28,7 +28,7 @@ from mmvsd.features import FeatureBatch, capture_features, collate
 from mmvsd.objectives import make_objective
 from mmvsd.target import Target
 from mmvsd.train_config import TrainConfig
-from mmvsd.train_data import draft_vocab_from_counts, load_examples, token_frequencies
+from mmvsd.train_data import ExampleSplit, draft_vocab_from_counts, load_examples, token_frequencies
 
 logger = logging.getLogger(__name__)
 
@@ -315,13 +315,18 @@ def _training_source(config: TrainConfig, target: Target, out_dir: Path):
         cache = FeatureCache(config.feature_cache)
         check_cache_matches(cache, target, data_settings(config))
         return OfflineSource(cache, target.dtype)
-    split = load_examples(
+    split = config_examples(config, target, out_dir / f"regenerated-{config.regenerate}.jsonl")
+    return OnlineSource(target, split.train)
+
+
+def config_examples(config: TrainConfig, target: Target, regenerate_cache: Path) -> ExampleSplit:
+    """The examples a run with `config` trains on (the same for `mmvsd train` and `mmvsd prepare`)."""
+    return load_examples(
         target, config.data, num_conversations=config.num_conversations, max_length=config.max_length,
         validation_fraction=config.validation_fraction, seed=config.seed, regenerate=config.regenerate,
-        regenerate_max_new_tokens=config.regenerate_max_new_tokens,
-        regenerate_cache=out_dir / f"regenerated-{config.regenerate}.jsonl", progress=config.progress,
+        regenerate_max_new_tokens=config.regenerate_max_new_tokens, regenerate_cache=regenerate_cache,
+        progress=config.progress,
     )
-    return OnlineSource(target, split.train)
 
 
 def data_settings(config: TrainConfig) -> dict:
