@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from mmvsd.errors import UserError
+from mmvsd.layouts import add_export_parser, run_export
 
 
 def _positive_int(text: str) -> int:
@@ -32,6 +34,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=_positive_int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write per-prompt results (with token ids) to this file")
+    p.add_argument("--image", action="append", default=[], metavar="PATH",
+                   help="an image shown before the prompt text (repeat for several)")
+    p.add_argument("--adapter", help="modality adapter by name (default: the first registered one that fits)")
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -39,7 +44,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                        description="Train a drafter. Settings: defaults < --config YAML < flags < key=value.")
     p.add_argument("--target", help="built-in name, local folder, .gguf file or HF id")
     p.add_argument("--drafter", help="drafter architecture (default eagle3)")
-    p.add_argument("--init", help="drafter folder to start from, or none (default)")
+    p.add_argument("--init", help="none (default) | a drafter folder | a released layout (eagle3) | LAYOUT:PATH")
     p.add_argument("--objective", help="ce (default) | vsd | vsd-kl | ce+vsd")
     p.add_argument("--data", help="sharegpt (default), sharegpt:PATH, llava-instruct:PATH or a JSON/JSONL file")
     p.add_argument("--output", help="output folder: becomes a drafter folder for `mmvsd generate --drafter`")
@@ -62,12 +67,35 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value")
 
 
+def _add_adapters(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("adapters", help="modality adapters")
+    p.add_argument("action", choices=["list"], help="list: show registered adapters and where they come from")
+
+
+def _add_lab(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("lab", help="build the embedded CPU targets (smol-llava)")
+    lab = p.add_subparsers(dest="lab_command", required=True)
+    b = lab.add_parser("build-target", help="train smol-llava's projector on the CPU and install it in the mmvsd cache",
+                       description="Assemble smol-llava (EfficientNet-Lite0 + SmolLM2-135M) and train its projector "
+                                   "within the time budget; --target smol-llava then uses it.")
+    b.add_argument("name", choices=["smol-llava"])
+    b.add_argument("--minutes", type=float, default=28.0, help="time budget of the whole build (default 28)")
+    b.add_argument("--max-steps", type=int, default=0, help="stop after N steps instead of at the time budget")
+    b.add_argument("--num-images", type=_positive_int, default=2400, help="generated training images (default 2400)")
+    b.add_argument("--align-steps", type=int, default=1500, help="steps of the first stage (per-patch word targets)")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--output", help="projector folder (default: the mmvsd cache, which --target smol-llava uses)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmvsd", description="Multimodal speculative decoding toolkit.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_train(sub)
     _add_prepare(sub)
+    _add_lab(sub)
+    _add_adapters(sub)
+    add_export_parser(sub)
     return parser
 
 
@@ -84,6 +112,9 @@ def run_generate(args: argparse.Namespace) -> None:
     texts = read_prompt_file(args.prompt_file) if args.prompt_file else [args.prompt]
     if any(not t.strip() for t in texts):
         raise UserError("empty prompt")
+    missing = [path for path in args.image if not os.path.isfile(path)]
+    if missing:
+        raise UserError(f"image file not found: {missing[0]}")
     config = DecodeConfig(args.max_new_tokens, args.temperature,
                           TreeShape(args.tree_budget, args.tree_depth, args.tree_topk), args.seed)
     target = load_target(args.target)
@@ -95,7 +126,7 @@ def run_generate(args: argparse.Namespace) -> None:
     elif args.drafter != "none":
         drafter = load_drafter(args.drafter, target)
     torch.manual_seed(args.seed)
-    prompts = [target.encode_prompt(t) for t in texts]
+    prompts = _encode_prompts(target, texts, args)
     records = []
     for start in range(0, len(prompts), args.batch_size):
         chunk = prompts[start : start + args.batch_size]
@@ -121,6 +152,30 @@ def run_generate(args: argparse.Namespace) -> None:
 
         with atomic_file(args.json) as handle:
             json.dump({"target": args.target, "drafter": args.drafter, "results": records}, handle, indent=2)
+
+
+def _encode_prompts(target, texts: list[str], args: argparse.Namespace) -> list:
+    """Prompts through the chosen modality adapter (plain chat-template ids when there is no media)."""
+    from pathlib import Path
+
+    from mmvsd.adapter import adapter_for, get_adapter
+
+    if not args.image and not args.adapter:
+        return [target.encode_prompt(t) for t in texts]
+    adapter = get_adapter(args.adapter) if args.adapter else adapter_for(target, "image" if args.image else "")
+    if args.image and adapter.modality != "image":
+        raise UserError(f"adapter {adapter.name!r} takes no images")
+    if not adapter.accepts(target):
+        raise UserError(f"adapter {adapter.name!r} cannot feed target {target.name!r}")
+    return [adapter.encode(target, text, [Path(p) for p in args.image]) for text in texts]
+
+
+def run_adapters(args: argparse.Namespace) -> None:
+    """`mmvsd adapters list`."""
+    from mmvsd.adapter import registered_adapters
+
+    for name, source in registered_adapters().items():
+        print(f"{name:<16} {source}")
 
 
 def _print_record(number: int, record: dict) -> None:
@@ -154,7 +209,25 @@ def run_prepare(args: argparse.Namespace) -> None:
     prepare_feature_cache(config, dtype=args.dtype, assume_yes=args.yes)
 
 
-COMMANDS = {"generate": run_generate, "train": run_train, "prepare": run_prepare}
+def run_lab(args: argparse.Namespace) -> None:
+    """`mmvsd lab build-target smol-llava`: train the projector and say where it went."""
+    from pathlib import Path
+
+    from mmvsd.lab.projector_training import ProjectorTraining, build_projector
+    from mmvsd.lab.smol_llava import built_projector_dir
+
+    if args.minutes <= 0 or args.max_steps < 0 or args.align_steps < 0:
+        raise UserError("--minutes must be > 0, --max-steps and --align-steps >= 0")
+    settings = ProjectorTraining(minutes=args.minutes, max_steps=args.max_steps, num_images=args.num_images,
+                                 align_steps=args.align_steps, seed=args.seed)
+    output = Path(args.output) if args.output else built_projector_dir()
+    build_projector(settings, output)
+    print(f"smol-llava projector written to {output}"
+          + ("; --target smol-llava now uses it" if not args.output else ""))
+
+
+COMMANDS = {"generate": run_generate, "train": run_train, "prepare": run_prepare, "lab": run_lab,
+            "adapters": run_adapters, "export": run_export}
 
 
 def main(argv: list[str] | None = None) -> int:

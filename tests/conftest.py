@@ -122,3 +122,45 @@ def smollm2_target() -> Target:
 
 
 __all__ = ["PROMPT_POOL", "fit_drafter_to_target", "make_tiny_llama", "random_prompts"]
+
+
+TINY_LLAVA_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> "
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for part in m['content'] %}"
+    "{% if part['type'] == 'image' %}<image> {% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %} "
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def save_tiny_llava(folder: Path, vocab: int = 128, seed: int = 0) -> Path:
+    """A tiny random LLaVA (32x32 CLIP tower, 16 image tokens, 4-layer Llama) with its processor, as a folder."""
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    words = ["<unk>", "<|user|>", "<|assistant|>", "<eos>", "<image>"] + [f"w{i}" for i in range(vocab - 5)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})  # split runs of placeholders
+    tokenizer.chat_template = CHAT_TEMPLATE
+    text_config = make_tiny_llama(seed=seed, vocab=vocab).config
+    vision_config = CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=2, num_attention_heads=2, projection_dim=32)
+    config = LlavaConfig(vision_config=vision_config, text_config=text_config, image_token_id=4,
+                         image_seq_length=16, vision_feature_layer=-2, vision_feature_select_strategy="default")
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():  # peaked projector outputs so the image changes the greedy continuation
+        model.model.multi_modal_projector.linear_2.weight.mul_(8.0)
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
+                               vision_feature_select_strategy="default", image_token="<image>",
+                               num_additional_image_tokens=1, chat_template=TINY_LLAVA_TEMPLATE)
+    model.save_pretrained(folder)
+    processor.save_pretrained(folder)
+    return folder

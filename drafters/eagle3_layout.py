@@ -1,0 +1,279 @@
+"""The `eagle3` checkpoint layout: EAGLE-3 drafters as vLLM and SGLang load them (and as released).
+
+config.json: `architectures: ["LlamaForCausalLMEagle3"]`, Llama sizes of the one draft layer,
+`vocab_size` (the target's), `draft_vocab_size`, `target_hidden_size` and
+`eagle_config.eagle_aux_hidden_state_layer_ids`. Weights (no embeddings: they are the target's):
+    fc.weight [H, 3H]; midlayer.self_attn.{q,k,v}_proj.weight [*, 2H]; midlayer.self_attn.o_proj.weight;
+    midlayer.mlp.{gate,up,down}_proj.weight; midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}
+    .weight; norm.weight; lm_head.weight [Vd, H]; d2t [Vd] int64 offsets (draft id i is target id
+    i + d2t[i]); t2d [V] bool (target id is in the draft vocabulary).
+Our `Eagle3Drafter` uses these very names and the same d2t/t2d meaning, so the key map is the identity.
+
+Feature layer ids: ours index the target's HF `hidden_states` (id k = the input of decoder layer k),
+which is how vLLM reads `eagle_aux_hidden_state_layer_ids` and how SGLang reads them unless the first
+id is 1. Ids starting at 1 follow SpecForge's "output of layer k" convention (SGLang adds 1 to them), so
+on import those are shifted by one, and a drafter whose first id is 1 cannot be exported unambiguously.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from mmvsd.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from mmvsd.errors import UserError
+from mmvsd.layouts import CONFIG_FILE, Layout, identify_layout, read_config, read_tensors, register_layout
+from mmvsd.target import default_aux_layer_ids
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+WEIGHTS = "model.safetensors"
+REQUIRED_CONFIG = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+EMBEDDINGS = "embed_tokens.weight"  # included by some releases; ours come from the target
+SUPPORTED_ROPE = (None, "default")
+
+
+class Eagle3Layout(Layout):
+    """EAGLE-3 checkpoints for vLLM / SGLang, and the ones EAGLE's authors released."""
+
+    name = "eagle3"
+    drafter_type = "eagle3"
+    released: ClassVar[dict[str, str]] = {  # target name (an HF id, as `--target` takes it) -> released EAGLE-3 drafter
+        "lmsys/vicuna-13b-v1.3": "yuhuili/EAGLE3-Vicuna1.3-13B",
+        "meta-llama/Llama-3.1-8B-Instruct": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+        "meta-llama/Meta-Llama-3.1-8B-Instruct": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+        "meta-llama/Llama-3.3-70B-Instruct": "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B",
+        "deepseek-ai/DeepSeek-R1-Distill-Llama-8B": "yuhuili/EAGLE3-DeepSeek-R1-Distill-LLaMA-8B",
+    }
+
+    def export(self, drafter: Eagle3Drafter, out_dir: Path) -> None:
+        """config.json + model.safetensors as vLLM / SGLang read them."""
+        config = released_config(drafter.config, next(drafter.parameters()).dtype)
+        tensors = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
+        (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        save_file(tensors, str(out_dir / WEIGHTS), metadata={"format": "pt"})
+
+    def load(self, path: Path, target) -> Eagle3Drafter:
+        """Read an EAGLE-3 folder (safetensors or pytorch_model.bin) for `target`; embeddings from the target."""
+        path = Path(path)
+        raw = read_config(path)
+        state = normalise_keys(read_tensors(path))
+        if has_foreign_keys(set(state)) or not self.detect(raw, set(state)):
+            raise UserError(f"{path} is not an EAGLE-3 checkpoint: it looks like {foreign_layout(raw, set(state))}")
+        config = eagle3_config(raw, target, path)
+        drafter = Eagle3Drafter(config, target.input_embeddings)
+        state = complete_state(state, config, target, path)
+        check_state(state, drafter, path)
+        dtypes = {k: v.dtype for k, v in drafter.state_dict().items()}
+        drafter.load_state_dict({k: v.to(dtypes[k]) for k, v in state.items()})
+        drafter.check_target(target)
+        return drafter.to(device=target.device, dtype=target.dtype).eval()
+
+    def detect(self, config: dict, keys: set[str]) -> bool:
+        keys = set(normalise_keys(dict.fromkeys(keys)))
+        return "midlayer.hidden_norm.weight" in keys or ARCHITECTURE in (config.get("architectures") or [])
+
+
+def released_config(config: Eagle3Config, dtype: torch.dtype) -> dict:
+    """The config.json vLLM / SGLang expect for an EAGLE-3 drafter with our `config`."""
+    if config.aux_layer_ids and config.aux_layer_ids[0] == 1:
+        raise UserError(f"feature layers {config.aux_layer_ids} start at 1, which SGLang reads as 'output of layer 1' "
+                        f"(one layer later than ours); the eagle3 layout cannot hold them unambiguously")
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,  # transformers 4 style; 5 reads rope_parameters
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "max_position_embeddings": config.max_position_embeddings,
+        "vocab_size": config.vocab_size,
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "tie_word_embeddings": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids), "use_aux_hidden_state": True},
+        "torch_dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def normalise_keys(state: dict) -> dict:
+    """Accept the naming variants seen in the wild: a `model.` prefix, and `layers.0.` for `midlayer.`."""
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    if "layers.0.hidden_norm.weight" in state:  # vLLM's internal name of the EAGLE-3 layer
+        state = {("midlayer." + k.removeprefix("layers.0.")) if k.startswith("layers.0.") else k: v
+                 for k, v in state.items()}
+    return state
+
+
+def has_foreign_keys(keys: set[str]) -> bool:
+    """Keys of the EAGLE-1 family (decoder layers under `layers.`, ViSpec's image adaptor)."""
+    return any(k.startswith(("layers.", "imadpt.", "img_fc.")) for k in keys)
+
+
+def foreign_layout(config: dict, keys: set[str]) -> str:
+    """A name for the layout a non-EAGLE-3 checkpoint seems to be in, for the error message."""
+    registered = identify_layout(config, keys, exclude=("eagle3",))
+    if registered is not None:
+        hint = "" if registered == "hf" else f"; use --init {registered}:PATH"
+        return f"the {registered!r} layout{hint}"
+    if any(k.startswith("imadpt.") for k in keys):
+        return "a ViSpec drafter (EAGLE-1 layout with an image adaptor, imadpt.* keys)"
+    if any(k.startswith("layers.0.") for k in keys):
+        family = "an MSD drafter, " if config.get("model_type") == "llava" else ""
+        return f"{family}the EAGLE-1 layout (layers.0.* keys, no midlayer.hidden_norm)"
+    return f"an unknown layout (keys: {', '.join(sorted(keys)[:8])}{', ...' if len(keys) > 8 else ''})"
+
+
+def eagle3_config(raw: dict, target, path: Path) -> Eagle3Config:
+    """Our Eagle3Config from a released config.json; UserError if unsupported or not made for `target`."""
+    missing = [k for k in REQUIRED_CONFIG if k not in raw]
+    if missing:
+        raise UserError(f"{path / CONFIG_FILE} lacks {', '.join(missing)}")
+    check_supported(raw, path)
+    heads = raw["num_attention_heads"]
+    config = Eagle3Config(
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_attention_heads=heads,
+        num_key_value_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        vocab_size=raw["vocab_size"],
+        draft_vocab_size=raw.get("draft_vocab_size") or raw["vocab_size"],
+        target_hidden_size=raw.get("target_hidden_size") or raw["hidden_size"],
+        aux_layer_ids=aux_layer_ids(raw, target.num_layers),
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope_settings(raw).get("rope_theta", 10000.0)),
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        target_name=target.name,
+    )
+    check_fits_target(config, target, path)
+    return config
+
+
+def rope_settings(raw: dict) -> dict:
+    """Rope type and theta from either config style (transformers 5 `rope_parameters` or 4's keys)."""
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    if "rope_theta" in raw:
+        params.setdefault("rope_theta", raw["rope_theta"])
+    params.setdefault("rope_type", params.get("type"))
+    return params
+
+
+def check_supported(raw: dict, path: Path) -> None:
+    """Refuse what our one-layer, plain-rope, bias-free drafter cannot compute the same way."""
+    problems = []
+    if raw.get("num_hidden_layers", 1) != 1:
+        problems.append(f"{raw['num_hidden_layers']} draft layers (ours has 1)")
+    if raw.get("hidden_act", "silu") != "silu":
+        problems.append(f"activation {raw['hidden_act']!r} (ours is silu)")
+    if raw.get("attention_bias") or raw.get("mlp_bias"):
+        problems.append("bias terms in the draft layer")
+    if rope_settings(raw).get("rope_type") not in SUPPORTED_ROPE:
+        problems.append(f"rope scaling {rope_settings(raw)['rope_type']!r} (ours is plain rope)")
+    if problems:
+        raise UserError(f"{path} is an EAGLE-3 drafter our implementation does not support: {'; '.join(problems)}")
+
+
+def aux_layer_ids(raw: dict, num_layers: int) -> list[int]:
+    """Target `hidden_states` indices the drafter reads (see the module docstring for the conventions)."""
+    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    ids = ids or raw.get("eagle_aux_hidden_state_layer_ids")
+    if not ids:
+        return list(default_aux_layer_ids(num_layers))
+    if ids[0] == 1:  # SpecForge's "output of layer k" ids
+        return [i + 1 for i in ids]
+    return list(ids)
+
+
+def check_fits_target(config: Eagle3Config, target, path: Path) -> None:
+    """Sizes and feature layers must match the target (embeddings and features come from it)."""
+    problems = []
+    if config.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {config.hidden_size} != target's {target.hidden_size} "
+                        f"(the draft layer reads the target's embeddings)")
+    if config.target_hidden_size != target.hidden_size:
+        problems.append(f"target_hidden_size {config.target_hidden_size} != target's {target.hidden_size}")
+    if config.vocab_size != target.vocab_size:
+        problems.append(f"vocabulary {config.vocab_size} != target's {target.vocab_size}")
+    if config.draft_vocab_size > config.vocab_size:
+        problems.append(f"draft vocabulary {config.draft_vocab_size} larger than the vocabulary {config.vocab_size}")
+    if list(config.aux_layer_ids) != list(target.aux_layer_ids):
+        problems.append(f"reads target hidden states {config.aux_layer_ids}, target gives {list(target.aux_layer_ids)}")
+    if problems:
+        raise UserError(f"EAGLE-3 drafter {path} does not fit target {target.name!r}: " + "; ".join(problems))
+
+
+def complete_state(state: dict[str, Tensor], config: Eagle3Config, target, path: Path) -> dict[str, Tensor]:
+    """Drop optional embeddings; fill d2t (full vocab only) and t2d when a release leaves them out."""
+    state = dict(state)
+    embeddings = state.pop(EMBEDDINGS, None)
+    if embeddings is not None:
+        check_embeddings(embeddings, target, path)
+    if "d2t" not in state and config.draft_vocab_size == config.vocab_size:
+        state["d2t"] = torch.zeros(config.draft_vocab_size, dtype=torch.long)  # identity map
+    if "d2t" in state:
+        target_ids = check_d2t(state["d2t"], config, path)  # [Vd]
+        derived = torch.zeros(config.vocab_size, dtype=torch.bool)
+        derived[target_ids] = True
+        if "t2d" in state and not torch.equal(state["t2d"].to(torch.bool), derived):
+            raise UserError(f"{path}: t2d does not mark the target ids that d2t maps the draft vocabulary to")
+        state["t2d"] = derived
+    return state
+
+
+def check_d2t(d2t: Tensor, config: Eagle3Config, path: Path) -> Tensor:
+    """[Vd] target ids of the draft vocabulary (i + d2t[i]); UserError unless distinct and in range."""
+    if d2t.shape != (config.draft_vocab_size,) or d2t.is_floating_point():
+        raise UserError(f"{path}: d2t must be integer offsets of shape [{config.draft_vocab_size}], "
+                        f"got {d2t.dtype} {list(d2t.shape)}")
+    target_ids = torch.arange(config.draft_vocab_size) + d2t.long()
+    if target_ids.min() < 0 or target_ids.max() >= config.vocab_size or target_ids.unique().numel() != d2t.numel():
+        raise UserError(f"{path}: d2t maps draft ids outside the target vocabulary [0, {config.vocab_size}) or onto "
+                        f"the same target id twice (d2t holds offsets: target id = i + d2t[i])")
+    return target_ids
+
+
+def check_embeddings(embeddings: Tensor, target, path: Path) -> None:
+    """A release's own embeddings are dropped for the target's; say so when they differ."""
+    ours = target.input_embeddings.weight.detach()  # [V, H]
+    if embeddings.shape != ours.shape:
+        raise UserError(f"{path}: {EMBEDDINGS} has shape {list(embeddings.shape)}, target's is {list(ours.shape)}")
+    rows = torch.linspace(0, ours.shape[0] - 1, min(1024, ours.shape[0])).long()  # a sample keeps memory small
+    if not torch.allclose(embeddings[rows].float(), ours[rows.to(ours.device)].float().cpu(), atol=1e-2, rtol=1e-2):
+        logger.warning("%s: %s differs from the target's embeddings; the target's are used", path, EMBEDDINGS)
+
+
+def check_state(state: dict[str, Tensor], drafter: Eagle3Drafter, path: Path) -> None:
+    """Every key present, none extra, every shape right: one UserError listing all that is wrong."""
+    expected = drafter.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    shapes = [f"{k} {list(state[k].shape)} (expected {list(expected[k].shape)})"
+              for k in sorted(set(state) & set(expected)) if state[k].shape != expected[k].shape]
+    problems = []
+    if missing:
+        problems.append(f"missing {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {', '.join(unexpected)}")
+    if shapes:
+        problems.append(f"wrong shapes: {'; '.join(shapes)}")
+    if problems:
+        raise UserError(f"EAGLE-3 weights in {path} do not match the layout: " + " | ".join(problems))
+
+
+register_layout(Eagle3Layout())

@@ -1,0 +1,128 @@
+"""Modality adapters: raw inputs of one modality plus the prompt text -> what the target reads and
+what a drafter may consume. The core only sees `Prompt` values; it never knows which modality made them.
+
+An adapter registers by decorator (`@register_adapter("name")`) or, from another package, through
+the entry-point group ``mmvsd.adapters`` (``name = "package.module:AdapterClass"``); registered
+adapters are listed by ``mmvsd adapters list``.
+
+Glossary: a *span* is the run of prompt positions one media item occupies (image tokens);
+*patch embeddings* are the target encoder's own outputs for it (before any projector);
+*projected* embeddings are what the target's language model reads at those positions.
+Shapes: T prompt tokens, S span tokens, C encoder width, H target hidden size.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar
+
+from torch import Tensor
+
+from mmvsd.errors import UserError
+
+ENTRY_POINT_GROUP = "mmvsd.adapters"
+
+
+@dataclass(frozen=True)
+class MediaSpan:
+    """One media item's place in the prompt and its features."""
+
+    start: int  # prompt index of the span's first token
+    patch_embeddings: Tensor  # [S, C] encoder outputs, before the projector
+    projected: Tensor  # [S, H] the embeddings the target reads at the span's positions
+
+    @property
+    def length(self) -> int:
+        return self.projected.shape[0]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt ready for decoding: token ids, and the input embeddings where media replace tokens."""
+
+    token_ids: list[int]  # placeholders already expanded to one id per span position
+    inputs_embeds: Tensor | None = None  # [T, H]; None: the target embeds token_ids itself
+    spans: tuple[MediaSpan, ...] = field(default=())
+
+
+class ModalityAdapter:
+    """Base class: turn a prompt text and media files into a `Prompt` for a target."""
+
+    name: ClassVar[str] = ""
+    modality: ClassVar[str] = ""  # what --image/--media files it takes, e.g. "image" (empty: none)
+
+    def accepts(self, target) -> bool:
+        """Whether this adapter can feed `target`."""
+        raise NotImplementedError
+
+    def encode(self, target, text: str, media: list[Path]) -> Prompt:
+        """The target's inputs for a user turn made of `media` followed by `text`."""
+        raise NotImplementedError
+
+
+ADAPTERS: dict[str, type[ModalityAdapter]] = {}
+ADAPTER_SOURCES: dict[str, str] = {}  # name -> where it was registered from
+_entry_points_loaded = False
+
+
+def register_adapter(name: str) -> Callable[[type[ModalityAdapter]], type[ModalityAdapter]]:
+    """Class decorator: make an adapter available by `name`."""
+
+    def add(cls: type[ModalityAdapter]) -> type[ModalityAdapter]:
+        cls.name = name
+        ADAPTERS[name] = cls
+        ADAPTER_SOURCES.setdefault(name, cls.__module__)
+        return cls
+
+    return add
+
+
+def _load_entry_points() -> None:
+    """Import the adapters other packages declare in the `mmvsd.adapters` entry-point group (once)."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            loaded = entry.load()
+        except Exception as err:  # noqa: BLE001  a broken plugin must not break mmvsd: report it and go on
+            ADAPTER_SOURCES[entry.name] = f"broken entry point {entry.value}: {type(err).__name__}: {err}"
+            continue
+        if isinstance(loaded, type) and issubclass(loaded, ModalityAdapter) and entry.name not in ADAPTERS:
+            register_adapter(entry.name)(loaded)
+        dist = entry.dist.name if entry.dist is not None else "?"
+        if entry.name in ADAPTERS:
+            ADAPTER_SOURCES[entry.name] = f"entry point {entry.value} (package {dist})"
+
+
+def registered_adapters() -> dict[str, str]:
+    """Every adapter name with where it came from (built-ins, then entry points)."""
+    import mmvsd.adapters  # noqa: F401  (registers the built-in adapters)
+
+    _load_entry_points()
+    return dict(sorted(ADAPTER_SOURCES.items()))
+
+
+def get_adapter(name: str) -> ModalityAdapter:
+    """The adapter registered as `name` (error lists the registered ones)."""
+    registered_adapters()
+    if name not in ADAPTERS:
+        raise UserError(f"no modality adapter {name!r}; registered: {', '.join(sorted(ADAPTERS))}")
+    return ADAPTERS[name]()
+
+
+def adapter_for(target, modality: str) -> ModalityAdapter:
+    """The first registered adapter that takes `modality` files (or plain text, when empty) for `target`."""
+    registered_adapters()
+    for cls in ADAPTERS.values():
+        adapter = cls()
+        if adapter.modality == modality and adapter.accepts(target):
+            return adapter
+    if modality:
+        raise UserError(f"target {target.name!r} takes no {modality} input: no registered adapter "
+                        f"({', '.join(sorted(ADAPTERS))}) feeds it {modality}s")
+    raise UserError(f"no registered adapter feeds target {target.name!r}")

@@ -1,0 +1,102 @@
+"""Training signal for smol-llava's projector, computed from the generator's drawing parameters:
+extra questions about the same image (more answers per language-model pass) and per-patch word
+targets for shape scenes (the projector's cheap first stage, no language model in the loop).
+
+Every question and answer here uses the generator's own phrasing and is computed from ``meta``.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import torch
+from torch import Tensor
+
+from mmvsd.data.image_charts import chart_answer, chart_question
+from mmvsd.data.image_families import CANVAS_SIZE, SHAPE_COLORS, SHAPE_KINDS, plural
+from mmvsd.data.images import ImageItem
+
+PATCH_GRID = 7  # the tower's 7 x 7 head map over the whole (resized, uncropped) canvas
+BACKGROUND_WORD = "background"
+
+
+def shape_questions(shapes: list[dict], rng: random.Random) -> list[tuple[str, str]]:
+    """Count, colour and existence questions that the scene's shapes answer."""
+    counts = Counter((s["color"], s["kind"]) for s in shapes)
+    questions = [("How many shapes are there?", str(len(shapes)))]
+    questions += [(f"How many {color} {plural(kind, 2)} are there?", str(n)) for (color, kind), n in counts.items()]
+    for kind in SHAPE_KINDS:
+        colors = {color for color, k in counts if k == kind}
+        if len(colors) == 1:
+            questions.append((f"What color is the {kind}?", colors.pop()))
+    present = rng.choice(sorted(counts))
+    absent = [(c, k) for c in SHAPE_COLORS for k in SHAPE_KINDS if (c, k) not in counts]
+    questions.append((f"Is there {_article(present[0])} {present[0]} {present[1]} in the image?", "yes"))
+    if absent:
+        color, kind = rng.choice(absent)
+        questions.append((f"Is there {_article(color)} {color} {kind} in the image?", "no"))
+    return questions
+
+
+def chart_questions(meta: dict) -> list[tuple[str, str]]:
+    """The value of every category, and the highest / lowest one."""
+    asks = [{"question_type": "value", "targets": [c]} for c in meta["categories"]]
+    asks += [{"question_type": "max", "targets": []}, {"question_type": "min", "targets": []}]
+    return [(chart_question({**meta, **ask}), chart_answer({**meta, **ask})) for ask in asks]
+
+
+def extra_questions(item: ImageItem, rng: random.Random, limit: int) -> list[tuple[str, str]]:
+    """Up to `limit` more (question, answer) pairs about the item's image, other than its own question."""
+    if item.family in ("vqav2", "hallusion") and "shapes" in item.meta:
+        pool = shape_questions(item.meta["shapes"], rng)
+    elif item.family == "chartqa":
+        pool = chart_questions(item.meta)
+    else:
+        return []
+    pool = [(q, a) for q, a in pool if q != item.question]
+    rng.shuffle(pool)
+    return pool[:limit]
+
+
+def _article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
+
+
+def patch_words(shapes: list[dict]) -> list[tuple[str, ...]]:
+    """For each of the 7 x 7 patches (row-major), the words of the shape it shows, or the background word."""
+    cell = CANVAS_SIZE / PATCH_GRID
+    words: list[tuple[str, ...]] = []
+    for index in range(PATCH_GRID * PATCH_GRID):
+        cx, cy = (index % PATCH_GRID + 0.5) * cell, (index // PATCH_GRID + 0.5) * cell
+        near = [(max(abs(s["x"] - cx), abs(s["y"] - cy)), s) for s in shapes]
+        near = [(d, s) for d, s in near if d <= s["size"] / 2 + cell / 4]
+        if near:
+            shape = min(near, key=lambda pair: pair[0])[1]
+            words.append((shape["color"], shape["kind"]))
+        else:
+            words.append((BACKGROUND_WORD,))
+    for shape in shapes:  # a shape between patch centres still gets its nearest patch
+        nearest = min(range(PATCH_GRID * PATCH_GRID), key=lambda i: (i % PATCH_GRID + 0.5 - shape["x"] / cell) ** 2
+                      + (i // PATCH_GRID + 0.5 - shape["y"] / cell) ** 2)
+        if words[nearest] == (BACKGROUND_WORD,):
+            words[nearest] = (shape["color"], shape["kind"])
+    return words
+
+
+def word_vectors(embeddings: Tensor, tokenizer, words: set[str]) -> dict[str, Tensor]:
+    """The input embedding of each word as it appears mid-sentence (mean over its tokens)."""
+    vectors = {}
+    for word in words:
+        ids = tokenizer(" " + word, add_special_tokens=False)["input_ids"]
+        vectors[word] = embeddings[ids].mean(0)
+    return vectors
+
+
+def patch_targets(shapes: list[dict], vectors: dict[str, Tensor], norm: float) -> Tensor:
+    """[49, H] target embeddings: the sum of a shape's colour and kind words (rescaled to `norm`)."""
+    rows = []
+    for words in patch_words(shapes):
+        vector = torch.stack([vectors[w] for w in words]).sum(0)
+        rows.append(vector * (norm / vector.norm()))
+    return torch.stack(rows)

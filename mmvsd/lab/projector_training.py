@@ -1,0 +1,276 @@
+"""Training smol-llava's projector on the CPU: LLaVA-style alignment on generated image question-answer
+pairs and captions, with the vision tower and the language model frozen.
+
+Each example is one chat turn: the user sends an image and a short question (or asks for a brief
+description), the assistant answers; the loss is the cross-entropy of the answer tokens (and the
+closing ``<|im_end|>``). Only the projector gets gradients. Two costs are paid once instead of every
+step: the tower features of every image, and the KV cache of the system prompt that starts every
+example. Tower features [N, 49, 1280] are kept in float16.
+
+Shapes: B batch, T tokens after the shared prompt prefix, P = 49 patch tokens, C = 1280, H hidden.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from tqdm.auto import tqdm
+from transformers import DynamicCache, LlavaForConditionalGeneration, LlavaProcessor
+
+from mmvsd.data.image_families import SHAPE_COLORS, SHAPE_KINDS
+from mmvsd.data.images import FAMILIES, ImageItem, generate_items
+from mmvsd.lab.projector_questions import BACKGROUND_WORD, extra_questions, patch_targets, word_vectors
+from mmvsd.lab.smol_llava import IMAGE_TOKEN, new_smol_llava, projector, save_projector, tower_features
+
+SHORT_ANSWER = "Answer the question using a single word or phrase."
+LETTER_ANSWER = "Answer with the option's letter from the given choices directly."
+CAPTION_REQUEST = "Describe the image briefly."
+
+
+@dataclass(frozen=True)
+class ProjectorTraining:
+    """Settings of `mmvsd lab build-target smol-llava` (the defaults fit 30 minutes on 2 CPU cores)."""
+
+    minutes: float = 28.0  # wall-clock budget for the whole build: data, features and both stages
+    max_steps: int = 0  # stop after this many steps (0: when the time budget runs out)
+    batch_size: int = 16
+    learning_rate: float = 2e-3
+    warmup_steps: int = 10
+    num_images: int = 2400  # generated training images, shared among families by family_weights
+    caption_share: float = 0.1  # examples that ask for a brief description instead of questions
+    questions_per_image: int = 4  # question turns per example (the item's own, then extras from meta)
+    align_steps: int = 1500  # first stage: per-patch word targets on shape scenes, no language model
+    seed: int = 0
+    family_weights: dict[str, float] = field(default_factory=lambda: {
+        "vqav2": 0.4, "hallusion": 0.1, "chartqa": 0.25, "textvqa": 0.15, "ai2d": 0.05, "scienceqa": 0.05})
+
+
+@dataclass(frozen=True)
+class Example:
+    """One training conversation: the image's index in the feature table, the tokens after the shared prefix."""
+
+    image_index: int
+    token_ids: list[int]  # image tokens, questions, assistant headers, answers, <|im_end|>s
+    is_answer: list[bool]  # per token: an answer token (or its closing <|im_end|>), which carries the loss
+    turns: tuple[tuple[str, str], ...]  # (user text, assistant text) of each turn
+    caption: bool  # asks for a brief description rather than questions
+
+
+def user_text(question: str, options: tuple[str, ...] = ()) -> str:
+    """The short-answer instruction LLaVA-1.5 uses (letters for multiple choice)."""
+    return f"{question}\n{LETTER_ANSWER if options else SHORT_ANSWER}"
+
+
+def assistant_text(item: ImageItem) -> str:
+    return item.answer.upper() if item.options else item.answer
+
+
+def chat_messages(turns: tuple[tuple[str, str], ...]) -> list[dict]:
+    """A conversation whose first user turn carries the image."""
+    messages = []
+    for number, (user, answer) in enumerate(turns):
+        content = [{"type": "text", "text": user}]
+        if number == 0:
+            content.insert(0, {"type": "image"})
+        messages += [{"role": "user", "content": content}, {"role": "assistant", "content": answer}]
+    return messages
+
+
+def chat_ids(processor: LlavaProcessor, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    """Token ids of a conversation (the image token expanded to the 49 patch positions)."""
+    text = processor.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+    if not add_generation_prompt:
+        text = text.removesuffix("\n")  # keep <|im_end|>, the stop token, as the last label
+    ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+    image_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    at = ids.index(image_id)
+    num_patches = processor.image_processor.size["height"] // processor.patch_size
+    return ids[:at] + [image_id] * num_patches**2 + ids[at + 1:]
+
+
+def conversation_ids(processor: LlavaProcessor, turns: tuple[tuple[str, str], ...]) -> tuple[list[int], list[bool]]:
+    """(token ids, answer flags) of a conversation; each answer ends with its <|im_end|>."""
+    messages = chat_messages(turns)
+    full_ids = chat_ids(processor, messages, add_generation_prompt=False)
+    is_answer = [False] * len(full_ids)
+    for number in range(len(turns)):
+        start = len(chat_ids(processor, messages[:2 * number + 1], add_generation_prompt=True))
+        end = len(chat_ids(processor, messages[:2 * number + 2], add_generation_prompt=False))
+        is_answer[start:end] = [True] * (end - start)
+    return full_ids, is_answer
+
+
+def example_turns(item: ImageItem, caption: bool, rng: random.Random, limit: int) -> tuple[tuple[str, str], ...]:
+    """A caption request, or the item's own question followed by extra questions about the same image."""
+    if caption:
+        return ((CAPTION_REQUEST, item.description),)
+    own = (user_text(item.question, item.options), assistant_text(item))
+    extras = [(user_text(q), a) for q, a in extra_questions(item, rng, limit - 1)]
+    return (own, *extras)
+
+
+def make_examples(processor: LlavaProcessor, items: list[ImageItem], settings: ProjectorTraining
+                  ) -> tuple[list[int], list[Example]]:
+    """(shared prefix ids, one example per item)."""
+    rng = random.Random(settings.seed)
+    image_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    examples, prefix = [], None
+    for index, item in enumerate(items):
+        caption = rng.random() < settings.caption_share
+        turns = example_turns(item, caption, rng, settings.questions_per_image)
+        full_ids, is_answer = conversation_ids(processor, turns)
+        image_at = full_ids.index(image_id)
+        prefix = prefix or full_ids[:image_at]
+        if full_ids[:image_at] != prefix:
+            raise AssertionError("chat template does not give every example the same prefix")
+        examples.append(Example(index, full_ids[image_at:], is_answer[image_at:], turns, caption))
+    return prefix, examples
+
+
+def training_items(settings: ProjectorTraining) -> list[ImageItem]:
+    """Generated train-split items of each family in proportion to family_weights."""
+    items = []
+    total = sum(settings.family_weights.values())
+    for family, weight in settings.family_weights.items():
+        if family not in FAMILIES:
+            raise ValueError(f"unknown image family {family!r}")
+        items += generate_items(family, "train", round(settings.num_images * weight / total), settings.seed)
+    return items
+
+
+@torch.no_grad()
+def image_features(model: LlavaForConditionalGeneration, processor: LlavaProcessor, items: list[ImageItem],
+                   batch_size: int = 32) -> Tensor:
+    """[N, P, C] float16 tower features of every item's image (the tower is frozen: computed once)."""
+    chunks = []
+    for start in tqdm(range(0, len(items), batch_size), desc="tower features", unit="batch"):
+        images = [item.image for item in items[start:start + batch_size]]
+        pixel_values = processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
+        chunks.append(tower_features(model, pixel_values).half())
+    return torch.cat(chunks)
+
+
+@torch.no_grad()
+def prefix_cache(model: LlavaForConditionalGeneration, prefix_ids: list[int]) -> DynamicCache:
+    """KV cache of the prompt prefix every example shares (system prompt and user header), batch 1."""
+    cache = DynamicCache()
+    model.model.language_model(input_ids=torch.tensor([prefix_ids]), past_key_values=cache, use_cache=True)
+    return cache
+
+
+def batch_loss(model: LlavaForConditionalGeneration, features: Tensor, examples: list[Example],
+               shared_cache: DynamicCache, image_token_id: int) -> Tensor:
+    """Mean answer-token cross-entropy of a batch (gradients reach only the projector)."""
+    width = max(len(e.token_ids) for e in examples)
+    token_ids = torch.zeros(len(examples), width, dtype=torch.long)  # [B, T], right-padded
+    labels = torch.full((len(examples), width), -100)
+    for row, example in enumerate(examples):
+        ids = torch.tensor(example.token_ids)
+        token_ids[row, :len(ids)] = ids
+        labels[row, :len(ids)] = torch.where(torch.tensor(example.is_answer), ids, -100)
+    embeds = model.get_input_embeddings()(token_ids)  # [B, T, H]
+    projected = projector(model)(features[[e.image_index for e in examples]].float())  # [B, P, H]
+    is_image = token_ids == image_token_id
+    embeds = embeds.masked_scatter(is_image[..., None], projected.to(embeds.dtype))
+    cache = copy.deepcopy(shared_cache)
+    cache.batch_repeat_interleave(len(examples))
+    # right padding needs no mask: causal attention keeps pad tokens out of every real token's view
+    hidden = model.model.language_model(inputs_embeds=embeds, past_key_values=cache, use_cache=True).last_hidden_state
+    predicts = labels[:, 1:] != -100  # hidden state t predicts token t + 1
+    logits = model.lm_head(hidden[:, :-1][predicts])  # [num answer tokens, V]
+    return F.cross_entropy(logits.float(), labels[:, 1:][predicts])
+
+
+def learning_rate(step: int, progress: float, settings: ProjectorTraining) -> float:
+    """Linear warm-up over the first steps, then cosine decay to 10% as `progress` goes from 0 to 1."""
+    if step < settings.warmup_steps:
+        return settings.learning_rate * (step + 1) / settings.warmup_steps
+    return settings.learning_rate * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def align_projector(model: LlavaForConditionalGeneration, processor: LlavaProcessor, items: list[ImageItem],
+                    features: Tensor, settings: ProjectorTraining) -> float:
+    """First stage: regress each shape-scene patch onto the embeddings of the words it shows
+    ("red" + "circle", or "background"); no language model in the loop, so thousands of images a minute."""
+    embeddings = model.get_input_embeddings().weight.detach()
+    words = set(SHAPE_COLORS) | set(SHAPE_KINDS) | {BACKGROUND_WORD}
+    vectors = word_vectors(embeddings, processor.tokenizer, words)
+    norm = float(embeddings.norm(dim=-1).median())
+    scenes = [i for i, item in enumerate(items) if "shapes" in item.meta]
+    if not scenes or settings.align_steps == 0:
+        return float("nan")
+    targets = torch.stack([patch_targets(items[i].meta["shapes"], vectors, norm) for i in scenes])  # [N, P, H]
+    optimizer = torch.optim.AdamW(projector(model).parameters(), lr=settings.learning_rate, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(settings.seed)
+    loss = torch.tensor(float("nan"))
+    for _ in tqdm(range(settings.align_steps), desc="align projector", unit="step"):
+        pick = torch.randint(len(scenes), (64,), generator=generator)
+        projected = projector(model)(features[[scenes[i] for i in pick.tolist()]].float())  # [64, P, H]
+        loss = F.mse_loss(projected, targets[pick]) / norm**2 * projected.shape[-1]
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return loss.item()
+
+
+def train_projector(model: LlavaForConditionalGeneration, processor: LlavaProcessor,
+                    settings: ProjectorTraining) -> dict[str, Any]:
+    """Train the projector in place within the time budget; return a summary for the manifest."""
+    started = time.monotonic()
+    deadline = started + settings.minutes * 60
+    torch.manual_seed(settings.seed)
+    items = training_items(settings)
+    prefix_ids, examples = make_examples(processor, items, settings)
+    features = image_features(model, processor, items)
+    shared_cache = prefix_cache(model, prefix_ids)
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    for parameter in projector(model).parameters():
+        parameter.requires_grad_(True)
+    align_loss = align_projector(model, processor, items, features, settings)
+    optimizer = torch.optim.AdamW(projector(model).parameters(), lr=settings.learning_rate, weight_decay=0.0)
+    image_token_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    order = random.Random(settings.seed)
+    train_start = time.monotonic()
+    losses, step, progress = [], 0, 0.0
+    bar = tqdm(total=settings.max_steps or None, desc="projector", unit="step")
+    while progress < 1.0:
+        batch = order.sample(examples, min(settings.batch_size, len(examples)))
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, progress, settings)
+        loss = batch_loss(model, features, batch, shared_cache, image_token_id)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(projector(model).parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        step += 1
+        if settings.max_steps:
+            progress = step / settings.max_steps
+        else:  # the schedule follows the clock, so it ends when the budget does
+            progress = (time.monotonic() - train_start) / max(1e-9, deadline - train_start)
+        bar.update(1)
+        bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
+    bar.close()
+    for parameter in projector(model).parameters():
+        parameter.requires_grad_(False)
+    return {"settings": asdict(settings), "align_loss": round(align_loss, 4), "steps": step,
+            "examples_seen": step * settings.batch_size, "final_loss": sum(losses[-50:]) / max(1, len(losses[-50:])),
+            "minutes": round((time.monotonic() - started) / 60, 2)}
+
+
+def build_projector(settings: ProjectorTraining, output: Path) -> Path:
+    """`mmvsd lab build-target smol-llava`: assemble smol-llava, train its projector, write the projector files."""
+    model, processor = new_smol_llava()
+    summary = train_projector(model, processor, settings)
+    save_projector(model, output, summary)
+    return output

@@ -1,0 +1,165 @@
+"""smol-llava: projector files and checksums, the training loss against transformers' own forward, the
+`lab build-target` command, and the shipped target answering a generated question by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoProcessor, LlamaConfig, LlavaForConditionalGeneration
+
+from mmvsd.cli import main
+from mmvsd.data.images import generate_item
+from mmvsd.errors import UserError
+from mmvsd.lab import projector_training as training
+from mmvsd.lab import smol_llava
+from mmvsd.lab.efficientnet import pixel_values_from_image, smol_llava_config
+from mmvsd.lab.smol_llava import (
+    IMAGE_TOKEN,
+    PROJECTOR_MANIFEST,
+    PROJECTOR_WEIGHTS,
+    SHIPPED_PROJECTOR_DIR,
+    load_projector,
+    save_projector,
+)
+
+
+def tiny_llava() -> LlavaForConditionalGeneration:
+    text_config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1)
+    torch.manual_seed(0)
+    return LlavaForConditionalGeneration(smol_llava_config(text_config, image_token_id=5)).eval()
+
+
+def test_projector_round_trip_and_checksum(tmp_path):
+    model = tiny_llava()
+    save_projector(model, tmp_path / "projector", {"steps": 0})
+    manifest = json.loads((tmp_path / "projector" / PROJECTOR_MANIFEST).read_text())
+    assert manifest["image_token"] == IMAGE_TOKEN and manifest["training"] == {"steps": 0}
+    state = load_projector(tmp_path / "projector", hidden_size=32)
+    for key, value in model.model.multi_modal_projector.state_dict().items():
+        assert torch.equal(state[key], value)
+
+
+def test_corrupt_or_mismatched_projector_is_refused(tmp_path):
+    folder = tmp_path / "projector"
+    save_projector(tiny_llava(), folder, {})
+    with pytest.raises(UserError, match="does not fit"):
+        load_projector(folder, hidden_size=576)  # a projector for another language model
+    weights = folder / PROJECTOR_WEIGHTS
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="corrupt or was replaced"):
+        load_projector(folder, hidden_size=32)
+    (folder / PROJECTOR_MANIFEST).write_text("{not json")
+    with pytest.raises(UserError, match="manifest"):
+        load_projector(folder, hidden_size=32)
+    weights.unlink()
+    with pytest.raises(UserError):
+        load_projector(folder, hidden_size=32)
+
+
+def test_shipped_projector_passes_its_checksum():
+    state = load_projector(SHIPPED_PROJECTOR_DIR, hidden_size=576)
+    assert state["linear_1.weight"].shape == (576, 1280)
+    manifest = json.loads((SHIPPED_PROJECTOR_DIR / PROJECTOR_MANIFEST).read_text())
+    assert manifest["training"]["minutes"] <= 30
+
+
+def test_local_build_takes_precedence(tmp_path, monkeypatch):
+    monkeypatch.setenv("MMVSD_CACHE", str(tmp_path))
+    assert smol_llava.projector_dir() == SHIPPED_PROJECTOR_DIR
+    save_projector(tiny_llava(), smol_llava.built_projector_dir(), {})
+    assert smol_llava.projector_dir() == tmp_path / "smol-llava" / "projector"
+
+
+@pytest.fixture(scope="module")
+def fresh_smol_llava():
+    return smol_llava.new_smol_llava()
+
+
+@pytest.mark.smollm2
+def test_training_loss_equals_transformers_forward(fresh_smol_llava):
+    """The cached-prefix, precomputed-feature loss over every answer of multi-turn examples is the loss of
+    the stock LLaVA forward on the processor's inputs."""
+    model, processor = fresh_smol_llava
+    settings = training.ProjectorTraining(num_images=6, family_weights={"vqav2": 1, "chartqa": 1},
+                                          caption_share=0.3, seed=1)
+    items = training.training_items(settings)
+    prefix_ids, examples = training.make_examples(processor, items, settings)
+    assert len({len(e.token_ids) for e in examples}) > 1  # padding is exercised
+    assert any(len(e.turns) > 1 for e in examples) and any(e.caption for e in examples)
+    features = training.image_features(model, processor, items)
+    cache = training.prefix_cache(model, prefix_ids)
+    image_token_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    with torch.no_grad():
+        loss = training.batch_loss(model, features, examples, cache, image_token_id)
+        total, count = 0.0, 0
+        for example in examples:
+            text = processor.apply_chat_template(training.chat_messages(example.turns)).removesuffix("\n")
+            inputs = processor(images=items[example.image_index].image, text=text, return_tensors="pt")
+            assert inputs["input_ids"][0].tolist() == prefix_ids + example.token_ids
+            is_answer = torch.tensor([False] * len(prefix_ids) + example.is_answer)
+            labels = torch.where(is_answer, inputs["input_ids"][0], -100)[None]
+            answers = processor.tokenizer.decode(inputs["input_ids"][0][is_answer])
+            assert answers == "".join(answer + "<|im_end|>" for _, answer in example.turns)
+            out = model(**inputs, labels=labels)
+            total, count = total + out.loss.item() * int(is_answer.sum()), count + int(is_answer.sum())
+    assert loss.item() == pytest.approx(total / count, rel=1e-4)
+
+
+@pytest.mark.smollm2
+def test_processor_gives_49_image_tokens_and_tower_pixels(fresh_smol_llava):
+    _, processor = fresh_smol_llava
+    item = generate_item("vqav2", "validation", 0)
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}], add_generation_prompt=True)
+    inputs = processor(images=item.image, text=text, return_tensors="pt")
+    assert (inputs["input_ids"] == processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)).sum() == 49
+    assert torch.allclose(inputs["pixel_values"], pixel_values_from_image(item.image), atol=0.02)
+
+
+@pytest.mark.smollm2
+def test_build_target_cli(tmp_path, capsys):
+    out = tmp_path / "projector"
+    code = main(["lab", "build-target", "smol-llava", "--max-steps", "2", "--num-images", "8", "--align-steps", "3",
+                 "--output", str(out)])
+    assert code == 0
+    manifest = json.loads((out / PROJECTOR_MANIFEST).read_text())
+    assert manifest["training"]["steps"] == 2
+    load_projector(out, hidden_size=576)
+    assert "projector written to" in capsys.readouterr().out
+
+
+def test_build_target_bad_name_exits_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["lab", "build-target", "big-llava"])
+    assert exit_info.value.code == 2
+    assert "smol-llava" in capsys.readouterr().err
+
+
+@pytest.mark.smollm2
+def test_smol_llava_by_name_reads_colours_that_its_language_model_cannot_guess():
+    """The shipped target, loaded by name, answers colour questions on held-out generated images far more
+    often with the image than the same language model answers them without it."""
+    from mmvsd.targets import load_target, resolve_target_folder
+
+    target = load_target("smol-llava")
+    processor = AutoProcessor.from_pretrained(resolve_target_folder("smol-llava"))
+    items = [generate_item("vqav2", "validation", i) for i in range(80)]
+    items = [item for item in items if item.meta.get("question_type") == "color"][:12]
+    right = {"image": 0, "no image": 0}
+    for item in items:
+        for mode in right:
+            parts = [{"type": "text", "text": training.user_text(item.question)}]
+            if mode == "image":
+                parts.insert(0, {"type": "image"})
+            text = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
+            inputs = processor(images=item.image if mode == "image" else None, text=text, return_tensors="pt")
+            output = target.model.generate(**inputs, max_new_tokens=5, do_sample=False)
+            reply = processor.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+            right[mode] += reply.strip().lower().startswith(item.answer)
+    assert len(items) == 12
+    assert right["image"] >= 3 and right["image"] >= right["no image"] + 3, right
