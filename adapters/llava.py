@@ -79,9 +79,12 @@ class LlavaAdapter(ModalityAdapter):
         return getattr(target, "processor", None) is not None and hasattr(target.model.config, "image_token_id") \
             and hasattr(target.model.model, "multi_modal_projector")
 
-    @torch.no_grad()
     def encode(self, target, text: str, media: list[Path]) -> Prompt:
-        images = [load_image(path) for path in media]
+        return self.encode_images(target, text, [load_image(path) for path in media])
+
+    @torch.no_grad()
+    def encode_images(self, target, text: str, images: list[Image.Image]) -> Prompt:
+        """The prompt for already loaded RGB images (subclasses change how images are read)."""
         processor = target.processor
         inputs = processor(images=images or None, text=user_turn_text(processor, text, len(images)),
                            return_tensors="pt")

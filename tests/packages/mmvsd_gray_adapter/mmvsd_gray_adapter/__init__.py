@@ -1,0 +1,19 @@
+"""An example modality adapter living outside mmvsd: LLaVA targets see images in grayscale.
+
+mmvsd finds it through the ``mmvsd.adapters`` entry point in this package's pyproject.toml; nothing
+in mmvsd names it. It reuses the built-in llava adapter and changes only how images are read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mmvsd.adapter import Prompt
+from mmvsd.adapters.llava import LlavaAdapter, load_image
+
+
+class GrayImageAdapter(LlavaAdapter):
+    """Images converted to grayscale (three equal channels) before the target's processor."""
+
+    def encode(self, target, text: str, media: list[Path]) -> Prompt:
+        return self.encode_images(target, text, [load_image(path).convert("L").convert("RGB") for path in media])
