@@ -92,9 +92,8 @@ def _check_prompts(target: Target, prompts: list[Prompt], config: DecodeConfig, 
         target.check_length(len(prompt.token_ids), config.max_new_tokens, lookahead)
 
 
-def _prefill(target: Target, prompts: list[PromptLike], need_aux: bool):
+def _prefill(target: Target, prompts: list[Prompt], need_aux: bool):
     """Run the prompts through the target; returns (cache, padded ids, lens, last logits, aux)."""
-    prompts = as_prompts(prompts)
     ids, lens = _pad_prompts(prompts, target.device)
     batch, width = ids.shape
     cache = target.new_cache(batch)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import make_tiny_llama, random_prompts
-from mmvsd.decode import _prefill
+from mmvsd.decode import _prefill, as_prompts
 from mmvsd.target import Target
 from mmvsd.tree import DraftTree
 
@@ -32,7 +32,7 @@ def full_logits(model, seq: list[int]) -> torch.Tensor:
 def test_tree_forward_and_keep_equal_recompute(attn):
     target = Target(make_tiny_llama(seed=2, attn=attn), None, "tiny")
     prompts = random_prompts(3, seed=9, min_len=2, max_len=9)
-    cache, _, _, _, _ = _prefill(target, prompts, need_aux=False)
+    cache, _, _, _, _ = _prefill(target, as_prompts(prompts), need_aux=False)
     seqs = [list(p) for p in prompts]
     for step in range(3):
         tree = random_tree(3, 9, target.vocab_size, seed=step)
@@ -63,7 +63,7 @@ def test_tree_forward_and_keep_equal_recompute(attn):
 def test_select_rows_drops_finished_sequences():
     target = Target(make_tiny_llama(seed=3), None, "tiny")
     prompts = random_prompts(3, seed=2)
-    cache, _, _, _, _ = _prefill(target, prompts, need_aux=False)
+    cache, _, _, _, _ = _prefill(target, as_prompts(prompts), need_aux=False)
     cache.select_rows(torch.tensor([2, 0]))
     assert cache.lens.tolist() == [len(prompts[2]), len(prompts[0])]
     assert cache.committed_len == max(len(prompts[2]), len(prompts[0]))

@@ -26,10 +26,11 @@ from torch import Tensor
 from tqdm.auto import tqdm
 from transformers import DynamicCache, LlavaForConditionalGeneration, LlavaProcessor
 
+from mmvsd.adapters.llava import patch_embeddings
 from mmvsd.data.image_families import SHAPE_COLORS, SHAPE_KINDS
 from mmvsd.data.images import FAMILIES, ImageItem, generate_items
 from mmvsd.lab.projector_questions import BACKGROUND_WORD, extra_questions, patch_targets, word_vectors
-from mmvsd.lab.smol_llava import IMAGE_TOKEN, new_smol_llava, projector, save_projector, tower_features
+from mmvsd.lab.smol_llava import IMAGE_TOKEN, new_smol_llava, projector, save_projector
 
 SHORT_ANSWER = "Answer the question using a single word or phrase."
 LETTER_ANSWER = "Answer with the option's letter from the given choices directly."
@@ -155,7 +156,7 @@ def image_features(model: LlavaForConditionalGeneration, processor: LlavaProcess
     for start in tqdm(range(0, len(items), batch_size), desc="tower features", unit="batch"):
         images = [item.image for item in items[start:start + batch_size]]
         pixel_values = processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
-        chunks.append(tower_features(model, pixel_values).half())
+        chunks.append(patch_embeddings(model, pixel_values).half())
     return torch.cat(chunks)
 
 

@@ -128,13 +128,6 @@ def projector(model: LlavaForConditionalGeneration) -> nn.Module:
     return model.model.multi_modal_projector
 
 
-def tower_features(model: LlavaForConditionalGeneration, pixel_values: Tensor) -> Tensor:
-    """[B, 3, 224, 224] pixels -> [B, 49, 1280] the features LLaVA feeds its projector."""
-    config = model.config
-    out = model.model.vision_tower(pixel_values, output_hidden_states=True)
-    return out.hidden_states[config.vision_feature_layer]
-
-
 # ----------------------------------------------------------------------------- projector files
 
 
