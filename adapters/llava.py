@@ -14,7 +14,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 
-from mmvsd.adapter import MediaSpan, ModalityAdapter, Prompt, register_adapter
+from mmvsd.adapter import Expansion, MediaSpan, ModalityAdapter, Prompt, register_adapter
 from mmvsd.errors import UserError
 
 
@@ -79,28 +79,58 @@ class LlavaAdapter(ModalityAdapter):
         return getattr(target, "processor", None) is not None and hasattr(target.model.config, "image_token_id") \
             and hasattr(target.model.model, "multi_modal_projector")
 
-    def encode(self, target, text: str, media: list[Path]) -> Prompt:
-        return self.encode_images(target, text, [load_image(path) for path in media])
+    def load(self, path: str | Path) -> Image.Image:
+        """One image file as the target's processor receives it (subclasses change how images are read)."""
+        return load_image(path)
 
-    @torch.no_grad()
-    def encode_images(self, target, text: str, images: list[Image.Image]) -> Prompt:
-        """The prompt for already loaded RGB images (subclasses change how images are read)."""
+    def encode(self, target, text: str, media: list[Path]) -> Prompt:
+        images = [self.load(path) for path in media]
         processor = target.processor
         inputs = processor(images=images or None, text=user_turn_text(processor, text, len(images)),
                            return_tensors="pt")
-        token_ids = inputs["input_ids"][0].to(target.device)  # [T]
-        embeds = target.input_embeddings(token_ids)  # [T, H]
+        return self.embed_images(target, inputs["input_ids"][0].tolist(), images)
+
+    def placeholder(self, target) -> str:
+        return target.processor.image_token
+
+    def expand(self, target, token_ids: list[int]) -> Expansion:
+        image_id = target.model.config.image_token_id
+        length = span_length(target)
+        ids, source, is_media = [], [], []
+        for index, token in enumerate(token_ids):
+            copies = length if token == image_id else 1
+            ids += [token] * copies
+            source += [index] * copies
+            is_media += [token == image_id] * copies
+        return Expansion(ids, source, is_media)
+
+    def embed(self, target, token_ids: list[int], media: list[Path]) -> Prompt:
+        return self.embed_images(target, token_ids, [self.load(path) for path in media])
+
+    @torch.no_grad()
+    def embed_images(self, target, token_ids: list[int], images: list[Image.Image]) -> Prompt:
+        """The prompt of expanded ids whose image spans hold `images`, in order."""
+        ids = torch.tensor(token_ids, dtype=torch.long, device=target.device)
         if not images:
-            return Prompt(token_ids.tolist(), None)
+            return Prompt(list(token_ids), None)
         model = target.model
-        patches = patch_embeddings(model, inputs["pixel_values"].to(target.device, target.dtype))  # [N, S, C]
+        pixel_values = target.processor.image_processor(images, return_tensors="pt")["pixel_values"]
+        patches = patch_embeddings(model, pixel_values.to(target.device, target.dtype))  # [N, S, C]
         projected = model.model.multi_modal_projector(patches)  # [N, S, H]
-        found = image_spans(token_ids, model.config.image_token_id, projected.shape[1])
+        found = image_spans(ids, model.config.image_token_id, projected.shape[1])
         if found is None or len(found) != len(images):
             raise UserError(f"the prompt holds image token runs {found} but {len(images)} image(s) of "
                             f"{projected.shape[1]} tokens were given (is the image placeholder in the text?)")
+        embeds = target.input_embeddings(ids)  # [T, H]
         spans = []
         for (start, length), image_patches, image_projected in zip(found, patches, projected):
             embeds[start:start + length] = image_projected.to(embeds.dtype)
             spans.append(MediaSpan(start, image_patches, image_projected))
-        return Prompt(token_ids.tolist(), embeds, tuple(spans))
+        return Prompt(list(token_ids), embeds, tuple(spans))
+
+
+def span_length(target) -> int:
+    """Image tokens the target's processor puts in the prompt for one image."""
+    processor = target.processor
+    probe = processor(images=[Image.new("RGB", (64, 64))], text=processor.image_token, return_tensors="pt")
+    return int((probe["input_ids"][0] == target.model.config.image_token_id).sum())

@@ -42,6 +42,7 @@ class RenderedExample:
 
     input_ids: list[int]
     loss_mask: list[int]
+    media: tuple[str, ...] = ()  # media files whose spans the ids hold (placeholders already expanded)
 
 
 def render_conversation(tokenizer: Any, conv: Conversation, max_length: int) -> RenderedExample | None:

@@ -11,19 +11,23 @@ Token embeddings are borrowed from the target and never saved.
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from mmvsd.drafter import Drafter, register_drafter
+from mmvsd.drafter import (
+    Drafter,
+    PairMedia,
+    load_drafter_weights,
+    read_drafter_config,
+    register_drafter,
+    save_drafter_folder,
+)
 from mmvsd.errors import UserError
-from mmvsd.files import atomic_dir
 from mmvsd.kv import RaggedCache
 
 
@@ -187,8 +191,9 @@ class Eagle3Drafter(Drafter):
 
     def forward(
         self, hidden: Tensor, token_ids: Tensor, positions: Tensor, attention_mask: Tensor, cache: RaggedCache | None,
-        from_target: bool,
+        from_target: bool, media: PairMedia | None = None,
     ) -> Tensor:
+        """EAGLE-3 reads media spans as their placeholder tokens' embeddings (`media` is unused)."""
         if from_target:
             hidden = self.fc(hidden)
         embeds = self.embed_tokens(token_ids).to(hidden.dtype)
@@ -221,31 +226,13 @@ class Eagle3Drafter(Drafter):
 
     def save_pretrained(self, out_dir: str | Path) -> None:
         """Write config.json + model.safetensors atomically (a temporary folder, then rename)."""
-        config = {"mmvsd_drafter_type": self.drafter_type, "architectures": ["Eagle3Drafter"], **asdict(self.config)}
-        tensors = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
-        with atomic_dir(out_dir) as tmp:
-            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        save_drafter_folder(self, asdict(self.config), out_dir)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target) -> Eagle3Drafter:
-        path = Path(path)
-        raw = json.loads((path / "config.json").read_text())
-        known = {f.name for f in fields(Eagle3Config)}
-        try:
-            config = Eagle3Config(**{k: v for k, v in raw.items() if k in known})
-        except TypeError as err:
-            raise UserError(f"{path / 'config.json'} is not an EAGLE-3 drafter config: {err}") from None
-        drafter = cls(config, target.input_embeddings)
+        drafter = cls(read_drafter_config(path, Eagle3Config, "an EAGLE-3"), target.input_embeddings)
         drafter.check_target(target)
-        try:
-            state = load_file(str(path / "model.safetensors"))
-        except Exception as err:  # missing or corrupt file: safetensors raises several types
-            raise UserError(f"cannot read drafter weights {path / 'model.safetensors'}: {err}") from None
-        missing, unexpected = drafter.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise UserError(f"drafter weights in {path} do not match the EAGLE-3 layout: "
-                            f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+        load_drafter_weights(drafter, path, "EAGLE-3")
         return drafter.to(device=target.device, dtype=target.dtype).eval()
 
 

@@ -48,8 +48,26 @@ class Prompt:
     spans: tuple[MediaSpan, ...] = field(default=())
 
 
+@dataclass(frozen=True)
+class Expansion:
+    """Token ids of rendered training text with every media placeholder expanded to its span."""
+
+    token_ids: list[int]
+    source: list[int]  # per expanded position: index of the original token it came from
+    is_media: list[bool]  # per expanded position: inside a media span
+
+    @property
+    def media_end(self) -> int:
+        """Index just after the last media position (0: no media)."""
+        return max((i + 1 for i, flag in enumerate(self.is_media) if flag), default=0)
+
+
 class ModalityAdapter:
-    """Base class: turn a prompt text and media files into a `Prompt` for a target."""
+    """Base class: turn a prompt text and media files into a `Prompt` for a target.
+
+    Decoding needs `accepts` and `encode`; training on conversations with media also needs
+    `placeholder`, `expand` and `embed` (render the text, expand placeholders, then embed per batch).
+    """
 
     name: ClassVar[str] = ""
     modality: ClassVar[str] = ""  # what --image/--media files it takes, e.g. "image" (empty: none)
@@ -61,6 +79,18 @@ class ModalityAdapter:
     def encode(self, target, text: str, media: list[Path]) -> Prompt:
         """The target's inputs for a user turn made of `media` followed by `text`."""
         raise NotImplementedError
+
+    def placeholder(self, target) -> str:
+        """The text that stands for one media item in a conversation (one token once tokenized)."""
+        raise NotImplementedError(f"adapter {self.name!r} cannot be used for training")
+
+    def expand(self, target, token_ids: list[int]) -> Expansion:
+        """Tokenized conversation text -> ids with each placeholder token expanded to its media span."""
+        raise NotImplementedError(f"adapter {self.name!r} cannot be used for training")
+
+    def embed(self, target, token_ids: list[int], media: list[Path]) -> Prompt:
+        """The `Prompt` of expanded ids (from `expand`) with `media` in its spans, in order."""
+        raise NotImplementedError(f"adapter {self.name!r} cannot be used for training")
 
 
 ADAPTERS: dict[str, type[ModalityAdapter]] = {}

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from mmvsd.adapter import Prompt
-from mmvsd.drafter import Drafter, DraftInputs
+from mmvsd.drafter import Drafter, DraftInputs, PairMedia
 from mmvsd.errors import UserError
 from mmvsd.kv import sequence_block
 from mmvsd.target import Target
@@ -92,16 +92,28 @@ def _check_prompts(target: Target, prompts: list[Prompt], config: DecodeConfig, 
         target.check_length(len(prompt.token_ids), config.max_new_tokens, lookahead)
 
 
+def _prompt_media(prompts: list[Prompt], embeds: Tensor | None) -> PairMedia | None:
+    """What the drafter's prefill pairs see of the prompts' media (None without media)."""
+    if embeds is None:
+        return None
+    span_ids = torch.full(embeds.shape[:2], -1, dtype=torch.long, device=embeds.device)
+    for row, prompt in enumerate(prompts):
+        for index, span in enumerate(prompt.spans):
+            span_ids[row, span.start : span.start + span.length] = index
+    return PairMedia.from_tokens(embeds, span_ids)
+
+
 def _prefill(target: Target, prompts: list[Prompt], need_aux: bool):
-    """Run the prompts through the target; returns (cache, padded ids, lens, last logits, aux)."""
+    """Run the prompts through the target; returns (cache, padded ids, lens, output, prompt media)."""
     ids, lens = _pad_prompts(prompts, target.device)
     batch, width = ids.shape
     cache = target.new_cache(batch)
     depths, causal = sequence_block(batch, width, ids.device)
+    embeds = _padded_embeds(target, prompts, ids)
     out = target.forward(cache, ids, depths, causal, need_aux=need_aux, logit_positions=(lens - 1)[:, None],
-                         inputs_embeds=_padded_embeds(target, prompts, ids))
+                         inputs_embeds=embeds)
     cache.keep(depths, lens)
-    return cache, ids, lens, out.logits[:, 0], out.aux_hidden
+    return cache, ids, lens, out, _prompt_media(prompts, embeds)
 
 
 class _Tracker:
@@ -143,8 +155,8 @@ def vanilla_generate(target: Target, prompts: list[PromptLike], config: DecodeCo
     _check_prompts(target, prompts, config, lookahead=1)
     generator = torch.Generator().manual_seed(config.seed)
     tracker = _Tracker(prompts, target, config)
-    cache, _, _, logits, _ = _prefill(target, prompts, need_aux=False)
-    next_ids = sample_next(logits, config.temperature, generator)  # [B]
+    cache, _, _, out, _ = _prefill(target, prompts, need_aux=False)
+    next_ids = sample_next(out.logits[:, 0], config.temperature, generator)  # [B]
     for row, token in enumerate(next_ids.tolist()):
         tracker.add(row, [token])
     while True:
@@ -172,15 +184,17 @@ def speculative_generate(
     """Tree speculative decoding: draft a dynamic tree, verify it in one target forward, repeat."""
     prompts = as_prompts(prompts)
     _check_prompts(target, prompts, config, lookahead=config.tree.depth + 1)
+    for prompt in prompts:
+        drafter.check_media(len(prompt.spans))
     generator = torch.Generator().manual_seed(config.seed)
     tracker = _Tracker(prompts, target, config)
-    cache, ids, lens, logits, aux = _prefill(target, prompts, need_aux=True)
-    roots = sample_next(logits, config.temperature, generator)  # [B]
+    cache, ids, lens, out, media = _prefill(target, prompts, need_aux=True)
+    roots = sample_next(out.logits[:, 0], config.temperature, generator)  # [B]
     rows = torch.arange(len(prompts), device=ids.device)
     next_ids = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
     next_ids[rows, lens - 1] = roots
     session = drafter.new_session(len(prompts))
-    session.advance(DraftInputs(aux, next_ids, lens))
+    session.advance(DraftInputs(drafter.target_features(out.aux_hidden, out.last_hidden), next_ids, lens, media))
     for row, token in enumerate(roots.tolist()):
         tracker.add(row, [token])
     while True:
@@ -197,19 +211,20 @@ def speculative_generate(
         verdict = verify(tree, out.logits, config.temperature, generator)
         num_kept = verdict.num_accepted + 1  # root + accepted draft tokens
         cache.keep(verdict.path_nodes.clamp(min=0), num_kept)
-        session.advance(_next_draft_inputs(tree.token_ids, out.aux_hidden, verdict))
+        features = drafter.target_features(out.aux_hidden, out.last_hidden)
+        session.advance(_next_draft_inputs(tree.token_ids, features, verdict))
         roots = verdict.bonus_ids
         for row, token_ids in enumerate(verdict.accepted_ids(tree)):
             tracker.add(row, token_ids)
     return tracker.results
 
 
-def _next_draft_inputs(tree_ids: Tensor, aux_hidden: Tensor, verdict) -> DraftInputs:
+def _next_draft_inputs(tree_ids: Tensor, tree_features: Tensor, verdict) -> DraftInputs:
     """Pairs for the drafter: target features at root..last accepted, each with the next token."""
     num_new = verdict.num_accepted + 1  # [B]
     width = int(num_new.max())
     nodes = verdict.path_nodes[:, :width].clamp(min=0)  # [B, A]
-    features = aux_hidden.gather(1, nodes[:, :, None].expand(-1, -1, aux_hidden.shape[-1]))
+    features = tree_features.gather(1, nodes[:, :, None].expand(-1, -1, tree_features.shape[-1]))
     following = torch.cat([tree_ids.gather(1, nodes)[:, 1:], verdict.bonus_ids[:, None]], dim=1)
     rows = torch.arange(nodes.shape[0], device=nodes.device)
     following[rows, num_new - 1] = verdict.bonus_ids  # the bonus follows the last accepted node

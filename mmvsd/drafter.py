@@ -4,6 +4,10 @@ EAGLE-family drafters read "pairs": at committed position t they see a feature o
 (the target's auxiliary hidden states, or their own output hidden state inside a draft tree) and
 the embedding of token t+1, and predict token t+2. A `DraftSession` keeps a drafter's own ragged
 KV cache in step with the target's and implements the tree builder's `TreeExpander` protocol.
+
+Media reach a drafter as `PairMedia`: for every pair, the target's input embedding of the pair's
+next token (the projected media embedding inside a media span) and which span that token is in.
+Drafters that do not read media (EAGLE-3) embed the placeholder token ids instead.
 """
 
 from __future__ import annotations
@@ -44,18 +48,45 @@ def drafter_class(name: str) -> type[Drafter]:
 
 
 @dataclass(frozen=True)
+class PairMedia:
+    """Media seen by pairs: what the target reads at each pair's next token."""
+
+    embeds: Tensor  # [B, Q, H] target input embeddings of the next token (projected media in spans)
+    span_ids: Tensor  # [B, Q] long: -1 where the next token is text, else its media span (0, 1, ... per row)
+
+    @classmethod
+    def from_tokens(cls, token_embeds: Tensor, token_span_ids: Tensor) -> PairMedia:
+        """Pairs of a token sequence ([B, T, H], [B, T]): pair t's next token is token t+1 (last: text)."""
+        embeds = torch.cat([token_embeds[:, 1:], torch.zeros_like(token_embeds[:, :1])], dim=1)
+        span_ids = torch.cat([token_span_ids[:, 1:], torch.full_like(token_span_ids[:, :1], -1)], dim=1)
+        return cls(embeds, span_ids)
+
+    @property
+    def mask(self) -> Tensor:
+        """[B, Q] bool: the next token is a media token."""
+        return self.span_ids >= 0
+
+    def num_spans(self) -> Tensor:
+        """[B] media spans per row (span ids count 0, 1, ... along each row)."""
+        return (self.span_ids.max(dim=1).values + 1).clamp(min=0) if self.span_ids.shape[1] else \
+            torch.zeros(self.span_ids.shape[0], dtype=torch.long, device=self.span_ids.device)
+
+
+@dataclass(frozen=True)
 class DraftInputs:
     """Positions newly committed by the target, to be fed to the drafter as pairs."""
 
-    features: Tensor  # [B, A, F] target features at each committed position
+    features: Tensor  # [B, A, F] target features at each committed position (`Drafter.target_features`)
     next_ids: Tensor  # [B, A] the token that follows each position
     num_new: Tensor  # [B] valid pairs per row (rows are right-padded)
+    media: PairMedia | None = None  # media at the following tokens (prompts with images), else None
 
 
 class Drafter(nn.Module):
     """Base class of drafter architectures; subclasses live in `drafters/`, one file each."""
 
     drafter_type: ClassVar[str] = ""
+    media_curriculum: ClassVar[bool] = False  # train text-only first, then more and more media samples
 
     @classmethod
     def from_target(cls, target, draft_vocab_size: int | None = None, seed: int = 0) -> Drafter:
@@ -66,15 +97,28 @@ class Drafter(nn.Module):
         """Use `target_ids` [Vd] (e.g. the most frequent training tokens) as the draft vocabulary."""
         raise NotImplementedError
 
+    @property
+    def draft_vocab_size(self) -> int:
+        return int(self.draft_vocab_target_ids().numel())
+
+    def target_features(self, aux_hidden: Tensor | None, last_hidden: Tensor) -> Tensor:
+        """The target features this drafter reads per position: the auxiliary layers' hidden states
+        ([.., F]) by default; EAGLE-1-style drafters read the final hidden states ([.., H])."""
+        return aux_hidden
+
+    def check_media(self, num_spans: int) -> None:
+        """Raise UserError if a sequence with `num_spans` media items is more than this drafter takes."""
+
     def forward(
         self, hidden: Tensor, token_ids: Tensor, positions: Tensor, attention_mask: Tensor, cache: RaggedCache,
-        from_target: bool,
+        from_target: bool, media: PairMedia | None = None,
     ) -> Tensor:
-        """Output hidden states [B, Q, H] for Q pairs; appends their KV to `cache` as its block.
+        """Output hidden states [B, Q, H'] for Q pairs; appends their KV to `cache` as its block.
 
-        hidden [B, Q, F] target features if `from_target`, else [B, Q, H] own hidden states;
+        hidden [B, Q, F] target features if `from_target`, else [B, Q, H'] own hidden states;
         token_ids [B, Q] target-vocab ids of the next tokens; positions [B, Q];
-        attention_mask [B, 1, Q, T] additive.
+        attention_mask [B, 1, Q, T] additive; media: what the next tokens are when they are media.
+        H' is the drafter's own state width (the tree builder and objectives never look inside).
         """
         raise NotImplementedError
 
@@ -119,6 +163,47 @@ def load_drafter(path: str | Path, target) -> Drafter:
     return drafter
 
 
+def save_drafter_folder(drafter: Drafter, config: dict, out_dir: str | Path) -> None:
+    """Write config.json (with `mmvsd_drafter_type`) + model.safetensors atomically."""
+    from safetensors.torch import save_file
+
+    from mmvsd.files import atomic_dir
+
+    config = {"mmvsd_drafter_type": drafter.drafter_type, "architectures": [type(drafter).__name__], **config}
+    tensors = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
+    with atomic_dir(out_dir) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+
+def read_drafter_config(path: str | Path, config_class: type, what: str):
+    """The `config_class` dataclass from a drafter folder's config.json (unknown keys are ignored)."""
+    from dataclasses import fields
+
+    path = Path(path)
+    raw = json.loads((path / "config.json").read_text())
+    known = {f.name for f in fields(config_class)}
+    try:
+        return config_class(**{k: v for k, v in raw.items() if k in known})
+    except TypeError as err:
+        raise UserError(f"{path / 'config.json'} is not {what} drafter config: {err}") from None
+
+
+def load_drafter_weights(drafter: Drafter, path: str | Path, what: str) -> None:
+    """Load model.safetensors into `drafter`; any missing or unexpected key is an error."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    try:
+        state = load_file(str(path / "model.safetensors"))
+    except Exception as err:  # noqa: BLE001  missing or corrupt file: safetensors raises several types
+        raise UserError(f"cannot read drafter weights {path / 'model.safetensors'}: {err}") from None
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise UserError(f"drafter weights in {path} do not match the {what} layout: "
+                        f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+
+
 def target_to_draft_ids(drafter: Drafter, vocab_size: int) -> Tensor:
     """[V] long: the draft id of every target id, -1 where it is outside the draft vocabulary."""
     vocab_ids = drafter.draft_vocab_target_ids()
@@ -147,7 +232,7 @@ class DraftSession:
         depths, causal = sequence_block(batch, width, device)
         hidden = self.drafter(
             inputs.features.to(self.dtype), inputs.next_ids, self.cache.positions(depths),
-            self.cache.attention_mask(causal, self.dtype), self.cache, from_target=True,
+            self.cache.attention_mask(causal, self.dtype), self.cache, from_target=True, media=inputs.media,
         )
         rows = torch.arange(batch, device=device)
         self.last_hidden = hidden[rows, inputs.num_new - 1]

@@ -29,10 +29,9 @@ import torch
 from torch import Tensor
 
 from mmvsd.drafter import Drafter, target_to_draft_ids
-from mmvsd.features import FeatureBatch, TokenBatch, prefix_cache
+from mmvsd.features import FeatureBatch, TokenBatch, draft_step0_inputs, prefix_cache
 from mmvsd.kv import RaggedCache, sequence_block
 from mmvsd.target import Target
-from mmvsd.unroll import shifted
 
 
 @dataclass
@@ -162,8 +161,9 @@ def draft_pass(
     device = tokens.input_ids.device
     cache = RaggedCache(batch_size, device)
     depths, causal = sequence_block(batch_size, width, device)
-    step0 = drafter(batch.features.to(dtype), shifted(tokens.input_ids, 1), depths, cache.attention_mask(causal, dtype), cache,
-                    from_target=True)  # [B, T, H]
+    features, next_ids, media = draft_step0_inputs(drafter, batch)
+    step0 = drafter(features, next_ids, depths, cache.attention_mask(causal, dtype), cache, from_target=True,
+                    media=media)  # [B, T, H]
     cache.keep(depths, tokens.lengths)
     hidden = _gather_positions(step0, anchors)[:, :, None].expand(-1, -1, slots, -1)  # [B, A, K, H]
     past_lens = (anchors + 1)[:, :, None].expand(-1, -1, slots).reshape(batch_size, -1)  # [B, A*K]

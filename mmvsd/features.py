@@ -15,8 +15,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mmvsd.drafter import Drafter, PairMedia
 from mmvsd.kv import RaggedCache, sequence_block
 from mmvsd.target import Target, TargetOutput
+from mmvsd.unroll import shifted
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,8 @@ class TokenBatch:
     input_ids: Tensor  # [B, T] (padding: 0)
     loss_mask: Tensor  # [B, T] bool, True on assistant tokens (never on padding)
     lengths: Tensor  # [B] unpadded lengths
+    inputs_embeds: Tensor | None = None  # [B, T, H] what the target reads where media replace tokens, or None
+    span_ids: Tensor | None = None  # [B, T] long: media span of each token (0, 1, ... per row), -1 for text
 
     @property
     def valid(self) -> Tensor:
@@ -34,7 +38,17 @@ class TokenBatch:
         return positions[None, :] < self.lengths[:, None]
 
     def to(self, device: torch.device | str) -> TokenBatch:
-        return TokenBatch(self.input_ids.to(device), self.loss_mask.to(device), self.lengths.to(device))
+        def move(value: Tensor | None) -> Tensor | None:
+            return None if value is None else value.to(device)
+
+        return TokenBatch(self.input_ids.to(device), self.loss_mask.to(device), self.lengths.to(device),
+                          move(self.inputs_embeds), move(self.span_ids))
+
+    def pair_media(self) -> PairMedia | None:
+        """What the drafter's pairs see of the batch's media (None for text-only batches)."""
+        if self.inputs_embeds is None:
+            return None
+        return PairMedia.from_tokens(self.inputs_embeds, self.span_ids)
 
 
 def collate(examples: Sequence) -> TokenBatch:
@@ -65,7 +79,8 @@ def _causal_forward(target: Target, tokens: TokenBatch, need_aux: bool) -> tuple
     cache = target.new_cache(batch)
     depths, causal = sequence_block(batch, width, target.device)
     no_logits = torch.zeros(batch, 0, dtype=torch.long, device=target.device)
-    out = target.forward(cache, tokens.input_ids, depths, causal, need_aux=need_aux, logit_positions=no_logits)
+    out = target.forward(cache, tokens.input_ids, depths, causal, need_aux=need_aux, logit_positions=no_logits,
+                         inputs_embeds=tokens.inputs_embeds)
     cache.keep(depths, tokens.lengths)
     return cache, out
 
@@ -76,6 +91,13 @@ def capture_features(target: Target, tokens: TokenBatch, keep_cache: bool = Fals
     tokens = tokens.to(target.device)
     cache, out = _causal_forward(target, tokens, need_aux=True)
     return FeatureBatch(tokens, out.aux_hidden, out.last_hidden, cache if keep_cache else None)
+
+
+def draft_step0_inputs(drafter: Drafter, batch: FeatureBatch) -> tuple[Tensor, Tensor, PairMedia | None]:
+    """The drafter's first-step inputs for every position: its target features, next ids and media."""
+    dtype = next(drafter.parameters()).dtype
+    features = drafter.target_features(batch.features, batch.target_hidden).to(dtype)
+    return features, shifted(batch.tokens.input_ids, 1), batch.tokens.pair_media()
 
 
 @torch.no_grad()

@@ -24,7 +24,7 @@ from torch import Tensor
 from mmvsd.drafter import Drafter, target_to_draft_ids
 from mmvsd.errors import UserError
 from mmvsd.estep import EStepPaths, run_estep
-from mmvsd.features import FeatureBatch
+from mmvsd.features import FeatureBatch, draft_step0_inputs
 from mmvsd.target import Target
 from mmvsd.unroll import shifted, unroll_draft_steps
 from mmvsd.vsd import (
@@ -71,8 +71,8 @@ def draft_vocab_logits(target: Target, drafter: Drafter, target_hidden: Tensor) 
 def ce_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: ObjectiveConfig) -> tuple[Tensor, Metrics]:
     """EAGLE-3 training-time test with soft labels and per-step top-1 accuracy."""
     tokens = batch.tokens
-    dtype = next(drafter.parameters()).dtype
-    hiddens = unroll_draft_steps(drafter, batch.features.to(dtype), shifted(tokens.input_ids, 1), config.ttt_steps)
+    features, next_ids, media = draft_step0_inputs(drafter, batch)
+    hiddens = unroll_draft_steps(drafter, features, next_ids, config.ttt_steps, media)
     # step i at anchor t predicts token t+2+i, whose target distribution sits at position t+1+i
     target_logits, top1_in_vocab = draft_vocab_logits(target, drafter, batch.target_hidden)  # [B, T, Vd], [B, T]
     total = torch.zeros((), device=target_logits.device)

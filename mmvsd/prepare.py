@@ -20,6 +20,9 @@ def prepare_feature_cache(config: TrainConfig, dtype: str = "auto", assume_yes: 
     out_dir = Path(config.feature_cache)
     target = load_target(config.target)
     split = config_examples(config, target, out_dir.parent / f"{out_dir.name}.regenerated-{config.regenerate}.jsonl")
+    if any(example.media for example in split.train):
+        raise UserError("offline feature caches hold text examples only; train on data with images with "
+                        "features=online")
     plan = plan_feature_cache(target, split.train, dtype=DTYPES[dtype])
     print(plan.describe(out_dir), flush=True)
     if not assume_yes and sys.stdin.isatty() and input("proceed? [y/N] ").strip().lower() not in ("y", "yes"):

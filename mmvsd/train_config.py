@@ -30,6 +30,8 @@ class TrainConfig:
     init: str = "none"  # none | drafter folder | LAYOUT (released for the target) | LAYOUT:PATH
     objective: str = "ce"  # ce | vsd | vsd-kl | ce+vsd
     data: str = "sharegpt"  # sharegpt, sharegpt:PATH, llava-instruct:PATH or a file
+    adapter: str = ""  # modality adapter for conversations with images ("": the first that fits the target)
+    media_curriculum: str = "auto"  # auto (the drafter's default) | on | off: text first, then media (MSD)
     output: str = ""
     # data
     num_conversations: int = 0  # 0: all
@@ -64,6 +66,7 @@ class TrainConfig:
         """Raise UserError on settings that cannot work together."""
         choices = {"objective": OBJECTIVE_NAMES, "regenerate": ("none", "greedy", "sample"),
                    "features": ("online", "offline"), "schedule": ("cosine", "linear"),
+                   "media_curriculum": ("auto", "on", "off"),
                    "precision": ("fp32", "bf16")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:

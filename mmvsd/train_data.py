@@ -17,6 +17,7 @@ from mmvsd.data.conversations import load_conversations
 from mmvsd.data.render import RenderedExample, render_conversation, split_conversations
 from mmvsd.errors import UserError
 from mmvsd.target import Target
+from mmvsd.train_media import media_adapter, render_media_conversation
 
 logger = logging.getLogger(__name__)
 
@@ -30,13 +31,20 @@ class ExampleSplit:
     num_dropped: int  # conversations with no loss token left after rendering / truncation
 
 
-def render_all(target: Target, conversations: list, max_length: int) -> tuple[list[RenderedExample], int]:
-    """Render conversations through the target's chat template; count those with nothing to learn."""
+def render_all(
+    target: Target, conversations: list, max_length: int, adapter_name: str = ""
+) -> tuple[list[RenderedExample], int]:
+    """Render conversations through the target's chat template (images through a modality adapter);
+    count those with nothing to learn."""
     if target.tokenizer is None:
         raise UserError(f"target {target.name!r} has no tokenizer: cannot render conversations")
-    examples, dropped = [], 0
+    examples, dropped, adapter = [], 0, None
     for conv in conversations:
-        example = render_conversation(target.tokenizer, conv, max_length)
+        if conv.image is not None:
+            adapter = adapter or media_adapter(target, adapter_name)
+            example = render_media_conversation(target, adapter, conv, max_length)
+        else:
+            example = render_conversation(target.tokenizer, conv, max_length)
         if example is None or len(example.input_ids) < 3:
             dropped += 1
         else:
@@ -47,7 +55,7 @@ def render_all(target: Target, conversations: list, max_length: int) -> tuple[li
 def load_examples(
     target: Target, data: str, *, num_conversations: int, max_length: int, validation_fraction: float, seed: int,
     regenerate: str = "none", regenerate_max_new_tokens: int = 512, regenerate_cache: Path | None = None,
-    progress: bool = True,
+    progress: bool = True, adapter: str = "",
 ) -> ExampleSplit:
     """Read `data`, split it deterministically by `seed`, regenerate answers if asked, render."""
     conversations = load_conversations(data, limit=num_conversations or None)
@@ -55,13 +63,16 @@ def load_examples(
     if regenerate != "none":
         from mmvsd.data.regenerate import regenerate_conversations
 
+        if any(conv.image is not None for conv in train_convs):
+            raise UserError("regenerate answers text conversations only; this dataset has images "
+                            "(use regenerate=none)")
         cache = regenerate_cache or Path(f"regenerated-{regenerate}.jsonl")
         train_convs = regenerate_conversations(
             target, train_convs, cache_path=cache, temperature=0.0 if regenerate == "greedy" else 1.0,
             max_new_tokens=regenerate_max_new_tokens, seed=seed, progress=progress,
         )
-    train, dropped = render_all(target, train_convs, max_length)
-    validation, dropped_validation = render_all(target, validation_convs, max_length)
+    train, dropped = render_all(target, train_convs, max_length, adapter)
+    validation, dropped_validation = render_all(target, validation_convs, max_length, adapter)
     if not train:
         raise UserError(f"no training example left from {data!r} after rendering with max_length={max_length}")
     logger.info("%d train / %d validation examples (%d dropped: nothing to learn after truncation)",

@@ -30,6 +30,7 @@ from mmvsd.objectives import make_objective
 from mmvsd.target import Target
 from mmvsd.train_config import TrainConfig
 from mmvsd.train_data import ExampleSplit, draft_vocab_from_counts, load_examples, token_frequencies
+from mmvsd.train_media import embed_batch, media_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,23 @@ def batch_indices(num_examples: int, batch_size: int, seed: int, micro_step: int
     return order[slot * batch_size : (slot + 1) * batch_size].tolist()
 
 
+def curriculum_indices(is_media: list[bool], batch_size: int, seed: int, micro_step: int, num_micro: int) -> list[int]:
+    """MSD's two-stage curriculum: text-only batches for the first half of the run, then each slot holds a
+    media example with a probability rising linearly to 1 at the end (seeded by step, so resumable)."""
+    text = [i for i, flag in enumerate(is_media) if not flag]
+    media = [i for i, flag in enumerate(is_media) if flag]
+    if not text or not media:
+        return batch_indices(len(is_media), batch_size, seed, micro_step)
+    half = num_micro / 2
+    share = 0.0 if micro_step < half else min(1.0, (micro_step + 1 - half) / max(1.0, num_micro - half))
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + micro_step)
+    picks = []
+    for _ in range(batch_size):
+        pool = media if float(torch.rand((), generator=generator)) < share else text
+        picks.append(pool[int(torch.randint(len(pool), (), generator=generator))])
+    return picks
+
+
 def total_steps(config: TrainConfig, num_examples: int) -> int:
     if config.max_steps > 0:
         return config.max_steps
@@ -88,7 +106,7 @@ def build_drafter(config: TrainConfig, target: Target, train_examples: list) -> 
     drafter = drafter_class(config.drafter).from_target(target, draft_vocab_size=config.draft_vocab_size,
                                                         seed=config.seed)
     counts = token_frequencies(train_examples, target.vocab_size)
-    drafter.set_draft_vocab(draft_vocab_from_counts(counts, min(config.draft_vocab_size, target.vocab_size)))
+    drafter.set_draft_vocab(draft_vocab_from_counts(counts, drafter.draft_vocab_size))
     return drafter.train()
 
 
@@ -120,17 +138,23 @@ def check_resume_config(checkpoint: Path, config: TrainConfig) -> None:
 
 
 class OnlineSource:
-    """Training batches whose target features are captured inside the step."""
+    """Training batches whose target features are captured inside the step (media embedded per batch)."""
 
-    def __init__(self, target: Target, examples: list) -> None:
+    def __init__(self, target: Target, examples: list, adapter_name: str = "") -> None:
         self.target = target
         self.examples = examples
+        self.is_media = [bool(ex.media) for ex in examples]
+        self.adapter = media_adapter(target, adapter_name) if any(self.is_media) else None
 
     def __len__(self) -> int:
         return len(self.examples)
 
     def batch(self, indices: list[int]) -> FeatureBatch:
-        return capture_features(self.target, collate([self.examples[i] for i in indices]), keep_cache=True)
+        examples = [self.examples[i] for i in indices]
+        tokens = collate(examples)
+        if self.adapter is not None:
+            tokens = embed_batch(self.target, self.adapter, tokens, examples)
+        return capture_features(self.target, tokens, keep_cache=True)
 
 
 class OfflineSource:
@@ -140,6 +164,7 @@ class OfflineSource:
         self.cache = cache
         self.dtype = dtype
         self.examples = cache.token_examples()
+        self.is_media = [False] * len(self.examples)
 
     def __len__(self) -> int:
         return len(self.cache)
@@ -285,7 +310,7 @@ def _optimizer_step(config, accelerator, model, optimizer, scheduler, objective,
     drafter = accelerator.unwrap_model(model)
     totals: dict[str, float] = {}
     for micro in range(state.step * config.grad_accum, (state.step + 1) * config.grad_accum):
-        batch = source.batch(batch_indices(len(source), config.batch_size, config.seed, micro))
+        batch = source.batch(micro_batch_indices(config, drafter, source, micro, total_steps(config, len(source))))
         generator = torch.Generator().manual_seed(config.seed * 1_000_003 + micro)
         with accelerator.autocast():
             loss, metrics = objective(drafter, target, batch, generator)
@@ -304,6 +329,15 @@ def _optimizer_step(config, accelerator, model, optimizer, scheduler, objective,
     totals["lr"] = scheduler.get_last_lr()[0]
     totals["bad_steps"] = float(state.num_bad_steps)
     return totals
+
+
+def micro_batch_indices(config: TrainConfig, drafter: Drafter, source, micro_step: int, num_steps: int) -> list[int]:
+    """Examples of one micro-batch: shuffled epochs, or the media curriculum when it applies."""
+    use_curriculum = config.media_curriculum == "on" or (config.media_curriculum == "auto" and drafter.media_curriculum)
+    if use_curriculum and any(source.is_media):
+        return curriculum_indices(source.is_media, config.batch_size, config.seed, micro_step,
+                                  num_steps * config.grad_accum)
+    return batch_indices(len(source), config.batch_size, config.seed, micro_step)
 
 
 def _skip_step(config: TrainConfig, optimizer, scheduler, state: TrainState) -> dict:
@@ -327,7 +361,7 @@ def _training_source(config: TrainConfig, target: Target, out_dir: Path):
         check_cache_matches(cache, target, data_settings(config))
         return OfflineSource(cache, target.dtype)
     split = config_examples(config, target, out_dir / f"regenerated-{config.regenerate}.jsonl")
-    return OnlineSource(target, split.train)
+    return OnlineSource(target, split.train, config.adapter)
 
 
 def config_examples(config: TrainConfig, target: Target, regenerate_cache: Path) -> ExampleSplit:
@@ -336,12 +370,12 @@ def config_examples(config: TrainConfig, target: Target, regenerate_cache: Path)
         target, config.data, num_conversations=config.num_conversations, max_length=config.max_length,
         validation_fraction=config.validation_fraction, seed=config.seed, regenerate=config.regenerate,
         regenerate_max_new_tokens=config.regenerate_max_new_tokens, regenerate_cache=regenerate_cache,
-        progress=config.progress,
+        progress=config.progress, adapter=config.adapter,
     )
 
 
 def data_settings(config: TrainConfig) -> dict:
     """The settings that decide which examples a feature cache holds."""
-    keys = ("target", "data", "num_conversations", "max_length", "validation_fraction", "seed", "regenerate",
-            "regenerate_max_new_tokens")
+    keys = ("target", "data", "adapter", "num_conversations", "max_length", "validation_fraction", "seed",
+            "regenerate", "regenerate_max_new_tokens")
     return {k: getattr(config, k) for k in keys}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mmvsd.drafter import Drafter
+from mmvsd.drafter import Drafter, PairMedia
 from mmvsd.kv import RaggedCache
 
 
@@ -24,10 +24,12 @@ def shifted(token_ids: Tensor, shift: int, fill: int = 0) -> Tensor:
     return torch.cat([token_ids[:, shift:], pad], dim=1)[:, : token_ids.shape[1]]
 
 
-def unroll_draft_steps(drafter: Drafter, features: Tensor, next_ids: Tensor, num_steps: int) -> list[Tensor]:
+def unroll_draft_steps(drafter: Drafter, features: Tensor, next_ids: Tensor, num_steps: int,
+                       media: PairMedia | None = None) -> list[Tensor]:
     """Hidden outputs [B, T, H] of each of `num_steps` unrolled draft steps.
 
-    features [B, T, F]: target features per position; next_ids [B, T]: token t+1 at position t.
+    features [B, T, F]: target features per position; next_ids [B, T]: token t+1 at position t;
+    media: the sequence's media, read by step 0 (later steps draft text).
     Labels for step i are the tokens at t+2+i, i.e. `shifted(next_ids, i + 1)`.
     """
     batch, length = next_ids.shape
@@ -42,7 +44,8 @@ def unroll_draft_steps(drafter: Drafter, features: Tensor, next_ids: Tensor, num
     for step in range(num_steps):
         positions = (anchors + step).expand(batch, length)
         mask = cache.attention_mask(block, dtype)
-        hidden = drafter(hidden, shifted(next_ids, step), positions, mask, cache, from_target=from_target)
+        hidden = drafter(hidden, shifted(next_ids, step), positions, mask, cache, from_target=from_target,
+                         media=media if step == 0 else None)
         outputs.append(hidden)
         from_target = False
         block = torch.cat([block, diagonal], dim=2)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mmvsd.adapter import Prompt
+from PIL import Image
+
 from mmvsd.adapters.llava import LlavaAdapter, load_image
 
 
 class GrayImageAdapter(LlavaAdapter):
     """Images converted to grayscale (three equal channels) before the target's processor."""
 
-    def encode(self, target, text: str, media: list[Path]) -> Prompt:
-        return self.encode_images(target, text, [load_image(path).convert("L").convert("RGB") for path in media])
+    def load(self, path: str | Path) -> Image.Image:
+        return load_image(path).convert("L").convert("RGB")

@@ -1,0 +1,191 @@
+"""The EAGLE-1 drafter body that MSD and ViSpec share (each adds its own way of reading media).
+
+Layout (the released MSD / ViSpec checkpoints use these names):
+    fc          [H, 2H] (+ bias)  fc([embedding of token t+1 ; hidden of position t]) -> layer input
+    layers.0.*  one Llama decoder layer without its input norm (self_attn.{q,k,v,o}_proj, mlp.*,
+                post_attention_layernorm)
+The feature of position t is the target's final (normed) hidden state; the layer's output is in the
+same space and goes through the target's own LM head, so the draft vocabulary is the target's.
+Token embeddings and the LM head are borrowed from the target and never saved.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from mmvsd.drafter import Drafter, PairMedia, load_drafter_weights, read_drafter_config, save_drafter_folder
+from mmvsd.drafters.eagle3 import MLP, Attention, RMSNorm, _rope_theta
+from mmvsd.errors import UserError
+from mmvsd.kv import RaggedCache
+
+
+@dataclass
+class Eagle1Config:
+    """Sizes of an EAGLE-1-style drafter and the target it was made for."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's (and the draft) vocabulary
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    fc_bias: bool = True
+    max_images: int | None = None  # media items one sequence may hold (None: any number)
+    target_name: str = ""
+
+    @classmethod
+    def from_target(cls, target, **extra) -> Eagle1Config:
+        """A config sized like `target`'s decoder layers."""
+        text = target.model.config.get_text_config(decoder=True)
+        heads = text.num_attention_heads
+        return cls(
+            hidden_size=text.hidden_size,
+            intermediate_size=text.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(text, "num_key_value_heads", heads) or heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+            vocab_size=target.vocab_size,
+            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(text),
+            max_position_embeddings=target.max_positions,
+            target_name=target.name,
+            **extra,
+        )
+
+
+@dataclass
+class LayerInput:
+    """What enters the decoder layer for Q pairs."""
+
+    x: Tensor  # [B, Q, H] layer input
+    attention_mask: Tensor  # [B, 1, Q, T] additive
+    hide: Tensor | None = None  # [B, Q] bool: new entries no later query may see (kept in the cache)
+    extra_state: Tensor | None = None  # [B, Q, E] appended to the outputs: the drafter's state is [H ; E]
+
+
+class DecoderLayer(nn.Module):
+    """EAGLE-1's layer: a Llama decoder layer whose input (fc's output) is not normed first."""
+
+    def __init__(self, config: Eagle1Config) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, config.hidden_size)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: Tensor, positions: Tensor, attention_mask: Tensor, cache: RaggedCache | None) -> Tensor:
+        x = x + self.self_attn(x, positions, attention_mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Eagle1Drafter(Drafter):
+    """Base of the EAGLE-1-style drafters; subclasses define `layer_input` (how pairs and media enter)."""
+
+    config_class: ClassVar[type[Eagle1Config]] = Eagle1Config
+    display_name: ClassVar[str] = "EAGLE-1"
+    default_max_images: ClassVar[int | None] = None
+
+    def __init__(self, config: Eagle1Config, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
+        super().__init__()
+        self.config = config
+        self.__dict__["embed_tokens"] = embed_tokens  # borrowed from the target, not parameters
+        self.__dict__["lm_head"] = lm_head
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.fc_bias)
+        self.layers = nn.ModuleList([DecoderLayer(config)])
+
+    @classmethod
+    def from_target(cls, target, draft_vocab_size: int | None = None, seed: int = 0) -> Eagle1Drafter:
+        """A freshly initialised drafter for `target` (its draft vocabulary is always the target's)."""
+        torch.manual_seed(seed)
+        config = cls.config_class.from_target(target, max_images=cls.default_max_images)
+        drafter = cls(config, target.input_embeddings, target.model.get_output_embeddings())
+        drafter.reset_parameters()
+        return drafter.to(device=target.device, dtype=target.dtype)
+
+    def reset_parameters(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=1.0 / math.sqrt(module.in_features))
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    def embed(self, token_ids: Tensor, dtype: torch.dtype) -> Tensor:
+        return F.embedding(token_ids, self.embed_tokens.weight.detach()).to(dtype)
+
+    def layer_input(
+        self, hidden: Tensor, token_ids: Tensor, attention_mask: Tensor, cache: RaggedCache | None,
+        from_target: bool, media: PairMedia | None,
+    ) -> LayerInput:
+        """How Q pairs enter the decoder layer."""
+        raise NotImplementedError
+
+    def forward(
+        self, hidden: Tensor, token_ids: Tensor, positions: Tensor, attention_mask: Tensor, cache: RaggedCache | None,
+        from_target: bool, media: PairMedia | None = None,
+    ) -> Tensor:
+        entry = self.layer_input(hidden, token_ids, attention_mask, cache, from_target, media)
+        x = entry.x
+        for layer in self.layers:
+            x = layer(x, positions, entry.attention_mask, cache)
+        if entry.hide is not None and cache is not None:
+            cache.hide_new(entry.hide)
+        return x if entry.extra_state is None else torch.cat([x, entry.extra_state.to(x.dtype)], dim=-1)
+
+    def target_features(self, aux_hidden: Tensor | None, last_hidden: Tensor) -> Tensor:
+        return last_hidden
+
+    def check_media(self, num_spans: int) -> None:
+        limit = self.config.max_images
+        if limit is not None and num_spans > limit:
+            raise UserError(f"{num_spans} images in one prompt, but this {self.display_name} drafter takes at most "
+                            f"{limit} (max_images in its config.json)")
+
+    def set_draft_vocab(self, target_ids: Tensor) -> None:
+        """The draft vocabulary is the target's whole vocabulary: only that set is accepted."""
+        ids = torch.sort(target_ids.to(torch.long).cpu()).values
+        if not torch.equal(ids, torch.arange(self.config.vocab_size)):
+            raise ValueError(f"{self.display_name} drafters draft over the whole target vocabulary "
+                             f"({self.config.vocab_size} ids)")
+
+    def draft_logits(self, hidden: Tensor) -> Tensor:
+        return F.linear(hidden[..., : self.config.hidden_size], self.lm_head.weight.detach())
+
+    def draft_logprobs(self, hidden: Tensor) -> Tensor:
+        return torch.log_softmax(self.draft_logits(hidden).float(), dim=-1)
+
+    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
+        return draft_ids
+
+    def draft_vocab_target_ids(self) -> Tensor:
+        return torch.arange(self.config.vocab_size, device=self.fc.weight.device)
+
+    def check_target(self, target) -> None:
+        cfg = self.config
+        problems = []
+        if cfg.hidden_size != target.hidden_size:
+            problems.append(f"hidden size {cfg.hidden_size} != target's {target.hidden_size}")
+        if cfg.vocab_size != target.vocab_size:
+            problems.append(f"vocabulary {cfg.vocab_size} != target's {target.vocab_size}")
+        if problems:
+            made_for = f" (made for {cfg.target_name!r})" if cfg.target_name else ""
+            raise UserError(f"drafter does not fit target {target.name!r}{made_for}: " + "; ".join(problems))
+
+    def save_pretrained(self, out_dir: str | Path) -> None:
+        save_drafter_folder(self, asdict(self.config), out_dir)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, target) -> Eagle1Drafter:
+        config = read_drafter_config(path, cls.config_class, f"a {cls.display_name}")
+        drafter = cls(config, target.input_embeddings, target.model.get_output_embeddings())
+        drafter.check_target(target)
+        load_drafter_weights(drafter, path, cls.display_name)
+        return drafter.to(device=target.device, dtype=target.dtype).eval()

@@ -1,0 +1,36 @@
+"""MSD drafter (Lin et al., "Speculative Decoding Reimagined for Multimodal LLMs"): EAGLE-1 whose
+image tokens skip fc.
+
+At a pair whose next token is text the layer reads fc([embedding ; target hidden]) as EAGLE-1 does;
+at a pair whose next token is an image token it reads that token's projected image embedding (what
+the target's language model reads there) directly, so visual and textual tokens are handled apart.
+Training uses MSD's two-stage curriculum (`media_curriculum`): text-only samples first, then a share
+of multimodal samples rising linearly to all of them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mmvsd.drafter import PairMedia, register_drafter
+from mmvsd.drafters.eagle1 import Eagle1Drafter, LayerInput
+from mmvsd.kv import RaggedCache
+
+
+@register_drafter("msd")
+class MSDDrafter(Eagle1Drafter):
+    """The MSD draft model."""
+
+    display_name = "MSD"
+    default_max_images = 1  # MSD's released drafters and decoding code take one image per prompt
+    media_curriculum = True
+
+    def layer_input(
+        self, hidden: Tensor, token_ids: Tensor, attention_mask: Tensor, cache: RaggedCache | None,
+        from_target: bool, media: PairMedia | None,
+    ) -> LayerInput:
+        x = self.fc(torch.cat([self.embed(token_ids, hidden.dtype), hidden], dim=-1))
+        if media is not None:
+            x = torch.where(media.mask[..., None], media.embeds.to(x.dtype), x)
+        return LayerInput(x, attention_mask)
