@@ -132,7 +132,7 @@ TINY_LLAVA_TEMPLATE = (
 )
 
 
-def save_tiny_llava(folder: Path, vocab: int = 128, seed: int = 0) -> Path:
+def save_tiny_llava(folder: Path, vocab: int = 128, seed: int = 0, projector_scale: float = 8.0) -> Path:
     """A tiny random LLaVA (32x32 CLIP tower, 16 image tokens, 4-layer Llama) with its processor, as a folder."""
     from transformers import (
         CLIPImageProcessor,
@@ -156,7 +156,7 @@ def save_tiny_llava(folder: Path, vocab: int = 128, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = LlavaForConditionalGeneration(config).eval()
     with torch.no_grad():  # peaked projector outputs so the image changes the greedy continuation
-        model.model.multi_modal_projector.linear_2.weight.mul_(8.0)
+        model.model.multi_modal_projector.linear_2.weight.mul_(projector_scale)
     image_processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     processor = LlavaProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
                                vision_feature_select_strategy="default", image_token="<image>",
@@ -164,3 +164,24 @@ def save_tiny_llava(folder: Path, vocab: int = 128, seed: int = 0) -> Path:
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def llava_dir(tmp_path_factory) -> Path:
+    """A tiny LLaVA folder plus images of different sizes (a.png, b.png, c.jpg) and a broken one."""
+    import numpy as np
+    from PIL import Image
+
+    folder = save_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
+    rng = np.random.default_rng(0)
+    for name, (h, w) in {"a.png": (40, 60), "b.png": (32, 32), "c.jpg": (75, 50)}.items():
+        Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(folder / name)
+    (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def llava_target(llava_dir) -> Target:
+    from mmvsd.targets import load_target
+
+    return load_target(str(llava_dir))

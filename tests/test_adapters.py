@@ -3,34 +3,16 @@ tree decoding with image prompts on a tiny random LLaVA (batch 1 and > 1, images
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from conftest import save_tiny_llava
 from mmvsd.adapter import Prompt, adapter_for, get_adapter, registered_adapters
 from mmvsd.cli import main
 from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.errors import UserError
-from mmvsd.targets import load_target
 from mmvsd.tree import TreeShape
-
-
-@pytest.fixture(scope="module")
-def llava_dir(tmp_path_factory):
-    folder = save_tiny_llava(tmp_path_factory.mktemp("tiny-llava"))
-    rng = np.random.default_rng(0)
-    for name, (h, w) in {"a.png": (40, 60), "b.png": (32, 32), "c.jpg": (75, 50)}.items():
-        Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")).save(folder / name)
-    (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot really")
-    return folder
-
-
-@pytest.fixture(scope="module")
-def llava_target(llava_dir):
-    return load_target(str(llava_dir))
 
 
 def test_builtin_adapters_are_registered_with_their_source():
