@@ -29,12 +29,12 @@ class TrainConfig:
     drafter: str = "eagle3"  # a registered drafter type
     init: str = "none"  # none | drafter folder | LAYOUT (released for the target) | LAYOUT:PATH
     objective: str = "ce"  # ce | vsd | vsd-kl | ce+vsd
-    data: str = "sharegpt"  # sharegpt, sharegpt:PATH, llava-instruct:PATH or a file
+    data: str = "sharegpt"  # sharegpt, sharegpt:PATH, llava-instruct:PATH or a file; SPEC+SPEC mixes them
     adapter: str = ""  # modality adapter for conversations with images ("": the first that fits the target)
     media_curriculum: str = "auto"  # auto (the drafter's default) | on | off: text first, then media (MSD)
     output: str = ""
     # data
-    num_conversations: int = 0  # 0: all
+    num_conversations: int = 0  # 0: all (per dataset of a mixture)
     max_length: int = 2048
     validation_fraction: float = 0.01
     regenerate: str = "none"  # none | greedy | sample: answer with the target first (on-policy)

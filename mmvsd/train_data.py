@@ -52,13 +52,21 @@ def render_all(
     return examples, dropped
 
 
+def data_specs(data: str) -> list[str]:
+    """The dataset specs of a mixture `SPEC+SPEC+...` (e.g. ShareGPT plus LLaVA-Instruct, as MLLM drafters train)."""
+    specs = [spec.strip() for spec in data.split("+")]
+    if not all(specs):
+        raise UserError(f"empty dataset in the mixture {data!r} (write SPEC+SPEC)")
+    return specs
+
+
 def load_examples(
     target: Target, data: str, *, num_conversations: int, max_length: int, validation_fraction: float, seed: int,
     regenerate: str = "none", regenerate_max_new_tokens: int = 512, regenerate_cache: Path | None = None,
     progress: bool = True, adapter: str = "",
 ) -> ExampleSplit:
     """Read `data`, split it deterministically by `seed`, regenerate answers if asked, render."""
-    conversations = load_conversations(data, limit=num_conversations or None)
+    conversations = [conv for spec in data_specs(data) for conv in load_conversations(spec, limit=num_conversations or None)]
     train_convs, validation_convs = split_conversations(conversations, validation_fraction, seed)
     if regenerate != "none":
         from mmvsd.data.regenerate import regenerate_conversations

@@ -29,7 +29,7 @@ from mmvsd.layouts import InitSource, resolve_init
 from mmvsd.objectives import make_objective
 from mmvsd.target import Target
 from mmvsd.train_config import TrainConfig
-from mmvsd.train_data import ExampleSplit, draft_vocab_from_counts, load_examples, token_frequencies
+from mmvsd.train_data import ExampleSplit, data_specs, draft_vocab_from_counts, load_examples, token_frequencies
 from mmvsd.train_media import embed_batch, media_adapter
 
 logger = logging.getLogger(__name__)
@@ -291,13 +291,14 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
     return out_dir
 
 
-def check_dataset_exists(spec: str) -> None:
-    """Fail before loading a target when the dataset file is not there."""
+def check_dataset_exists(data: str) -> None:
+    """Fail before loading a target when a dataset file is not there."""
     from mmvsd.data.conversations import parse_dataset_spec
 
-    _, path = parse_dataset_spec(spec)
-    if path is not None and not path.exists():
-        raise UserError(f"dataset file not found: {path}")
+    for spec in data_specs(data):
+        _, path = parse_dataset_spec(spec)
+        if path is not None and not path.exists():
+            raise UserError(f"dataset file not found: {path}")
 
 
 def _postfix(metrics: dict[str, float]) -> dict[str, str]:

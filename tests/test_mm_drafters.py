@@ -315,3 +315,26 @@ def test_cli_refuses_more_images_than_the_drafter_takes(fitted, mild_llava, llav
                  str(llava_dir / "a.png"), "--image", str(llava_dir / "b.png"), "--prompt", "w5", "--max-new-tokens", "4"])
     assert code == 2
     assert "takes at most 1" in capsys.readouterr().err
+
+
+def test_text_and_image_datasets_mix(llava_target, tmp_path):
+    from mmvsd.train_data import load_examples
+
+    images = write_image_conversations(llava_target, tmp_path, answers_from_target=False)
+    text = tmp_path / "sharegpt.json"
+    text.write_text(json.dumps([{"id": "s0", "conversations": [{"from": "human", "value": "w20 w21"},
+                                                                 {"from": "gpt", "value": "w22 w23 w24"}]}]))
+    split = load_examples(llava_target, f"sharegpt:{text}+llava-instruct:{images}", num_conversations=3,
+                          max_length=128, validation_fraction=0.0, seed=0, progress=False)
+    assert len(split.train) == 4 and sum(bool(ex.media) for ex in split.train) == 3  # 3 per dataset of the mixture
+    with pytest.raises(UserError, match="empty dataset in the mixture"):
+        load_examples(llava_target, f"sharegpt:{text}+", num_conversations=0, max_length=128,
+                      validation_fraction=0.0, seed=0, progress=False)
+
+
+def test_shipped_mllm_config_is_the_papers():
+    from mmvsd.train_config import load_train_config
+
+    config = load_train_config("llava_vispec_paper", {"target": "llava-1.5-13b", "init": "vispec", "output": "o"}, [])
+    assert (config.drafter, config.objective, config.num_conversations, config.epochs) == ("vispec", "ce+vsd", 68000, 40)
+    assert (config.learning_rate, config.loss.num_samples, config.loss.path_length) == (5e-6, 40, 7)
