@@ -8,6 +8,7 @@ import os
 import sys
 
 from mmvsd.errors import UserError
+from mmvsd.eval.bench_cli import add_bench_parser, run_bench_command
 from mmvsd.layouts import add_export_parser, run_export
 
 
@@ -96,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_lab(sub)
     _add_adapters(sub)
     add_export_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 
@@ -227,7 +229,7 @@ def run_lab(args: argparse.Namespace) -> None:
 
 
 COMMANDS = {"generate": run_generate, "train": run_train, "prepare": run_prepare, "lab": run_lab,
-            "adapters": run_adapters, "export": run_export}
+            "adapters": run_adapters, "export": run_export, "bench": run_bench_command}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,262 @@
+"""`mmvsd bench`: every method on the same prompts, interleaved per prompt, after a warm-up.
+
+Methods (`--methods`):
+    vanilla    mmvsd's own autoregressive loop: the speed-up (SR) denominator
+    hf         transformers `generate` (batch 1)
+    pld        transformers prompt lookup decoding (`prompt_lookup_num_tokens=10`, batch 1)
+    assisted   transformers assisted generation with `--assistant MODEL` (same tokenizer, batch 1)
+    tree       mmvsd tree speculative decoding, once per `--drafter`
+Multi-turn items (MT-Bench) ask turn k after each method's OWN answer to turn k-1, as EAGLE's
+evaluation does. At T=0 every tree output is checked against vanilla token for token on the fly.
+Per-prompt records go to OUT/records.jsonl as they complete, so `--resume` continues a run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from mmvsd.baselines import hf_generate
+from mmvsd.decode import DecodeConfig, SequenceResult, speculative_generate, vanilla_generate
+from mmvsd.errors import UserError
+from mmvsd.eval.bench_config import BenchConfig
+from mmvsd.eval.suites import TEXT_BENCHMARKS, BenchItem, load_items, resolve_suite
+from mmvsd.target import Target
+from mmvsd.tree import TreeShape
+
+RECORDS = "records.jsonl"
+PLD_TOKENS = 10
+WARMUP_TOKENS = 16
+
+
+@dataclass
+class Method:
+    """A named way of generating: prompts (token ids) -> results."""
+
+    name: str
+    generate: Callable[[list[list[int]], DecodeConfig], list[SequenceResult]]
+    own_loop: bool  # counts target forwards (tau) and batches prompts
+
+
+def drafter_label(spec: str) -> str:
+    return "tree" if spec == "random" else f"tree:{Path(spec).name}"
+
+
+def build_methods(config: BenchConfig, target: Target) -> list[Method]:
+    """The methods of `config`, in the order they run on each prompt."""
+    methods = []
+    for name in config.methods:
+        if name == "vanilla":
+            methods.append(Method("vanilla", lambda p, c: vanilla_generate(target, p, c), True))
+        elif name == "hf":
+            methods.append(Method("hf", lambda p, c: [hf_generate(target, ids, c) for ids in p], False))
+        elif name == "pld":
+            methods.append(Method("pld", lambda p, c: [hf_generate(target, ids, c, PLD_TOKENS) for ids in p], False))
+        elif name == "assisted":
+            assistant = load_assistant(config.assistant, target)
+            methods.append(Method("assisted", lambda p, c, a=assistant: [hf_generate(target, ids, c, assistant_model=a)
+                                                                        for ids in p], False))
+        else:
+            for spec in config.drafters:
+                drafter = load_bench_drafter(spec, target)
+                methods.append(Method(drafter_label(spec),
+                                      lambda p, c, d=drafter: speculative_generate(target, d, p, c), True))
+    return methods
+
+
+def load_bench_drafter(spec: str, target: Target):
+    from mmvsd.drafter import load_drafter
+    from mmvsd.drafters.eagle3 import Eagle3Drafter
+
+    if spec == "random":
+        return Eagle3Drafter.from_target(target, seed=0).eval()
+    return load_drafter(spec, target)
+
+
+def load_assistant(spec: str, target: Target):
+    from mmvsd.targets import load_target
+
+    assistant = load_target(spec)
+    if assistant.vocab_size != target.vocab_size:
+        raise UserError(f"--assistant {spec!r} has a vocabulary of {assistant.vocab_size}, the target "
+                        f"{target.vocab_size}: assisted generation needs the same tokenizer")
+    return assistant.model
+
+
+def chat_ids(target: Target, messages: list[dict]) -> list[int]:
+    """Token ids of a conversation ending with a user turn, through the chat template."""
+    if target.tokenizer is None or not getattr(target.tokenizer, "chat_template", None):
+        return target.encode_prompt("\n".join(m["content"] for m in messages))
+    ids = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+@dataclass
+class Record:
+    """One method's answers to one item at one temperature."""
+
+    benchmark: str
+    item_id: str
+    method: str
+    temperature: float
+    output_ids: list[list[int]] = field(default_factory=list)  # per turn
+    new_tokens: int = 0
+    wall_seconds: float = 0.0
+    target_forwards: int = 0  # own loops only (0: not counted)
+    accept_lengths: list[int] = field(default_factory=list)
+    answer: str = ""  # the last turn's text
+    correct: bool | None = None
+    mismatch: dict | None = None  # T=0 lossless check failure: turn, position, target logit margin
+
+    def add(self, result: SequenceResult, own_loop: bool) -> None:
+        self.output_ids.append(list(result.output_ids))
+        self.new_tokens += len(result.output_ids)
+        self.wall_seconds += result.wall_seconds
+        if own_loop:
+            self.target_forwards += result.num_target_forwards
+            self.accept_lengths += list(result.accept_lengths)
+
+
+
+def decode_config(config: BenchConfig, temperature: float) -> DecodeConfig:
+    tree = TreeShape(config.tree_budget, config.tree_depth, config.tree_topk)
+    return DecodeConfig(config.max_new_tokens, temperature=temperature, seed=config.seed, tree=tree)
+
+
+@torch.no_grad()
+def logit_margin(target: Target, prompt_ids: list[int], prefix_ids: list[int]) -> float:
+    """Target's top-1 minus top-2 logit after prompt + prefix: near 0 is a numerical tie, not a bug."""
+    ids = torch.tensor([prompt_ids + prefix_ids], device=target.device)
+    top = target.model(input_ids=ids).logits[0, -1].float().topk(2).values
+    return float(top[0] - top[1])
+
+
+def first_mismatch(target: Target, prompt_ids: list[int], expected: list[int], got: list[int], turn: int) -> dict | None:
+    """Where a tree output first leaves the vanilla output, with the target's margin there (None: equal)."""
+    if expected == got:
+        return None
+    position = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+    margin = logit_margin(target, prompt_ids, expected[:position])
+    return {"turn": turn, "position": position, "expected": expected[position:position + 1],
+            "got": got[position:position + 1], "logit_margin": margin}
+
+
+def run_batch(target: Target, methods: list[Method], items: list[BenchItem], temperature: float,
+              config: BenchConfig) -> list[Record]:
+    """All methods on a batch of items of one benchmark, turn by turn, each on its own history."""
+    decode = decode_config(config, temperature)
+    records = {m.name: [Record(it.benchmark, it.item_id, m.name, temperature) for it in items] for m in methods}
+    histories = {m.name: [[] for _ in items] for m in methods}
+    for turn in range(len(items[0].turns)):
+        vanilla_outputs = None
+        for method in methods:
+            prompts = []
+            for row, item in enumerate(items):
+                histories[method.name][row].append({"role": "user", "content": item.turns[turn]})
+                prompts.append(chat_ids(target, histories[method.name][row]))
+            results = method.generate(prompts, decode)
+            for row, result in enumerate(results):
+                record = records[method.name][row]
+                record.add(result, method.own_loop)
+                record.answer = target.decode(result.output_ids)
+                histories[method.name][row].append({"role": "assistant", "content": record.answer})
+                if method.name == "vanilla":
+                    continue
+                if temperature == 0 and method.own_loop and record.mismatch is None:
+                    record.mismatch = first_mismatch(target, prompts[row], vanilla_outputs[row],
+                                                     list(result.output_ids), turn)
+            if method.name == "vanilla":
+                vanilla_outputs = [list(r.output_ids) for r in results]
+    score = TEXT_BENCHMARKS[items[0].benchmark].score
+    all_records = [record for name in records for record in records[name]]
+    if score is not None:
+        for record, item in zip(all_records, items * len(methods)):
+            record.correct = score(record.answer, item.reference)
+    return all_records
+
+
+def read_records(out_dir: Path) -> list[Record]:
+    """Records written so far (a line cut off by an interruption is ignored)."""
+    path = out_dir / RECORDS
+    records = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                records.append(Record(**json.loads(line)))
+            except (json.JSONDecodeError, TypeError):
+                continue
+    return records
+
+
+def completed_keys(records: list[Record], methods: list[Method]) -> set[tuple[str, str, float]]:
+    """(benchmark, item, temperature) keys every method has answered."""
+    names: dict[tuple[str, str, float], set[str]] = {}
+    for record in records:
+        names.setdefault((record.benchmark, record.item_id, record.temperature), set()).add(record.method)
+    wanted = {m.name for m in methods}
+    return {key for key, done in names.items() if wanted <= done}
+
+
+def check_out_dir(out_dir: Path, config: BenchConfig, resume: bool) -> None:
+    """A fresh run needs an empty folder; --resume needs the same settings (a larger --limit is fine)."""
+    saved = out_dir / "bench_config.json"
+    if not resume:
+        if (out_dir / RECORDS).is_file():
+            raise UserError(f"{out_dir} already holds bench records; pass --resume to continue, or another --out")
+        return
+    if not saved.is_file():
+        raise UserError(f"--resume: no bench run in {out_dir}")
+    before = {k: v for k, v in json.loads(saved.read_text()).items() if k != "limit"}
+    now = {k: v for k, v in json.loads(json.dumps(asdict(config))).items() if k != "limit"}
+    changed = sorted(k for k in now if before.get(k) != now[k])
+    if changed:
+        raise UserError(f"--resume: settings differ from the interrupted run ({', '.join(changed)})")
+
+
+def warm_up(methods: list[Method], target: Target, item: BenchItem, config: BenchConfig) -> None:
+    """One short generation per method, so no method pays first-call costs inside the measurement."""
+    prompt = chat_ids(target, [{"role": "user", "content": item.turns[0]}])
+    decode = DecodeConfig(WARMUP_TOKENS, tree=decode_config(config, 0.0).tree)
+    for method in methods:
+        method.generate([prompt], decode)
+
+
+def run_bench(config: BenchConfig, target: Target | None = None, resume: bool = False,
+              progress: bool = True) -> Path:
+    """Run (or resume) a benchmark and write its records and reports to `config.out`."""
+    from tqdm import tqdm
+
+    from mmvsd.eval.report import write_reports
+
+    config.validate()
+    out_dir = Path(config.out)
+    check_out_dir(out_dir, config, resume)
+    if target is None:
+        from mmvsd.targets import load_target
+
+        target = load_target(config.target)
+    methods = sorted(build_methods(config, target), key=lambda m: m.name != "vanilla")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench_config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
+    done = completed_keys(read_records(out_dir), methods)
+    work = [(t, b, [it for it in load_items(b, config.limit) if (b, it.item_id, t) not in done])
+            for t in config.temperatures for b in resolve_suite(config.suite)]
+    first = next((items[0] for _, _, items in work if items), None)
+    if first is not None:
+        warm_up(methods, target, first, config)
+    bar = tqdm(total=sum(len(items) for _, _, items in work), desc="bench", dynamic_ncols=True, disable=not progress)
+    with open(out_dir / RECORDS, "a") as handle:
+        for temperature, _, items in work:
+            for start in range(0, len(items), config.batch_size):
+                batch = items[start:start + config.batch_size]
+                records = run_batch(target, methods, batch, temperature, config)
+                handle.writelines(json.dumps(asdict(record)) + "\n" for record in records)
+                handle.flush()
+                bar.update(len(batch))
+    bar.close()
+    write_reports(out_dir, asdict(config), read_records(out_dir), [m.name for m in methods])
+    return out_dir

@@ -1,0 +1,61 @@
+"""The `mmvsd bench` command line: flags -> `BenchConfig` -> `run_bench`, then the table."""
+
+from __future__ import annotations
+
+import argparse
+
+from mmvsd.errors import UserError
+from mmvsd.eval.bench_config import METHODS, BenchConfig
+
+
+def _list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _temperatures(text: str) -> list[float]:
+    try:
+        values = [float(part) for part in _list(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of numbers: {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"temperatures must be >= 0, got {text!r}")
+    return values
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+    defaults = BenchConfig()
+    p = sub.add_parser("bench", help="speed-up, tau and lossless check of drafters on benchmark suites",
+                       description="Runs every method on the same prompts, interleaved per prompt, after a "
+                                   "warm-up; writes table.md, results.json/.csv, records.jsonl and PNG plots.")
+    p.add_argument("--suite", default=defaults.suite, help="text, or benchmark names: mt_bench,humaneval,gsm8k")
+    p.add_argument("--target", default=defaults.target, help=f"target (default {defaults.target})")
+    p.add_argument("--drafter", type=_list, default=defaults.drafters,
+                   help="drafter folder(s), comma-separated, compared side by side (default: random, an untrained "
+                        "EAGLE-3 drafter)")
+    p.add_argument("--methods", type=_list, default=defaults.methods, help=f"subset of {','.join(METHODS)}")
+    p.add_argument("--temperature", type=_temperatures, default=defaults.temperatures, help="e.g. 0,1")
+    p.add_argument("--limit", type=int, default=defaults.limit, help="items per benchmark (0: all)")
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    p.add_argument("--tree-budget", type=int, default=defaults.tree_budget)
+    p.add_argument("--tree-depth", type=int, default=defaults.tree_depth)
+    p.add_argument("--tree-topk", type=int, default=defaults.tree_topk)
+    p.add_argument("--assistant", default="", help="draft model with the target's tokenizer, for --methods assisted")
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--out", default=defaults.out, help="results folder")
+    p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def run_bench_command(args: argparse.Namespace) -> None:
+    config = BenchConfig(suite=args.suite, target=args.target, drafters=args.drafter, methods=args.methods,
+                         temperatures=args.temperature, limit=args.limit, batch_size=args.batch_size,
+                         max_new_tokens=args.max_new_tokens, tree_budget=args.tree_budget, tree_depth=args.tree_depth,
+                         tree_topk=args.tree_topk, assistant=args.assistant, seed=args.seed, out=args.out)
+    if min(config.tree_budget, config.tree_depth, config.tree_topk) < 1:
+        raise UserError("--tree-budget, --tree-depth and --tree-topk must be >= 1")
+    from mmvsd.eval.bench import run_bench
+
+    out = run_bench(config, resume=args.resume, progress=not args.no_progress)
+    print((out / "table.md").read_text())
+    print(f"results in {out} (table.md, results.json, results.csv, records.jsonl, *.png)")
