@@ -20,11 +20,13 @@ from pathlib import Path
 
 import torch
 
+from mmvsd.adapter import Prompt
 from mmvsd.baselines import hf_generate
 from mmvsd.decode import DecodeConfig, SequenceResult, speculative_generate, vanilla_generate
+from mmvsd.drafter import drafter_from_spec
 from mmvsd.errors import UserError
 from mmvsd.eval.bench_config import BenchConfig
-from mmvsd.eval.suites import TEXT_BENCHMARKS, BenchItem, load_items, resolve_suite
+from mmvsd.eval.suites import BenchItem, benchmark, is_multimodal, load_items, resolve_suite
 from mmvsd.target import Target
 from mmvsd.tree import TreeShape
 
@@ -62,19 +64,12 @@ def build_methods(config: BenchConfig, target: Target) -> list[Method]:
                                                                         for ids in p], False))
         else:
             for spec in config.drafters:
-                drafter = load_bench_drafter(spec, target)
+                drafter = drafter_from_spec(spec, target, config.seed)
+                if drafter is None:
+                    raise UserError("--drafter none: use --methods vanilla (or hf) for plain decoding")
                 methods.append(Method(drafter_label(spec),
                                       lambda p, c, d=drafter: speculative_generate(target, d, p, c), True))
     return methods
-
-
-def load_bench_drafter(spec: str, target: Target):
-    from mmvsd.drafter import load_drafter
-    from mmvsd.drafters.eagle3 import Eagle3Drafter
-
-    if spec == "random":
-        return Eagle3Drafter.from_target(target, seed=0).eval()
-    return load_drafter(spec, target)
 
 
 def load_assistant(spec: str, target: Target):
@@ -109,7 +104,7 @@ class Record:
     target_forwards: int = 0  # own loops only (0: not counted)
     accept_lengths: list[int] = field(default_factory=list)
     answer: str = ""  # the last turn's text
-    correct: bool | None = None
+    correct: float | None = None  # the benchmark's score of the answer (1/0 for exact checks), None: unscored
     mismatch: dict | None = None  # T=0 lossless check failure: turn, position, target logit margin
 
     def add(self, result: SequenceResult, own_loop: bool) -> None:
@@ -128,26 +123,64 @@ def decode_config(config: BenchConfig, temperature: float) -> DecodeConfig:
 
 
 @torch.no_grad()
-def logit_margin(target: Target, prompt_ids: list[int], prefix_ids: list[int]) -> float:
+def logit_margin(target: Target, prompt: list[int] | Prompt, prefix_ids: list[int]) -> float:
     """Target's top-1 minus top-2 logit after prompt + prefix: near 0 is a numerical tie, not a bug."""
-    ids = torch.tensor([prompt_ids + prefix_ids], device=target.device)
-    top = target.model(input_ids=ids).logits[0, -1].float().topk(2).values
+    prompt = prompt if isinstance(prompt, Prompt) else Prompt(list(prompt))
+    ids = torch.tensor([prompt.token_ids + prefix_ids], device=target.device)
+    embeds = target.input_embeddings(ids)
+    if prompt.inputs_embeds is not None:
+        embeds[0, : len(prompt.token_ids)] = prompt.inputs_embeds.to(embeds.device, embeds.dtype)
+    top = target.model(inputs_embeds=embeds).logits[0, -1].float().topk(2).values
     return float(top[0] - top[1])
 
 
-def first_mismatch(target: Target, prompt_ids: list[int], expected: list[int], got: list[int], turn: int) -> dict | None:
+def make_prompt(target: Target, messages: list[dict], item: BenchItem, turn: int, media: MediaWriter):
+    """Token ids of the conversation so far, or a `Prompt` with the item's images on its first turn."""
+    if item.images and turn == 0:
+        adapter, paths = media.files(target, item)
+        return adapter.encode(target, item.turns[0], paths)
+    return chat_ids(target, messages)
+
+
+class MediaWriter:
+    """Writes items' images once under OUT/images (kept with the results) for the modality adapter."""
+
+    def __init__(self, folder: Path, adapter_name: str) -> None:
+        self.folder = folder
+        self.adapter_name = adapter_name
+        self.adapter = None
+
+    def files(self, target: Target, item: BenchItem):
+        from mmvsd.adapter import adapter_for, get_adapter
+
+        if self.adapter is None:
+            self.adapter = get_adapter(self.adapter_name) if self.adapter_name else adapter_for(target, "image")
+            if not self.adapter.accepts(target):
+                raise UserError(f"adapter {self.adapter.name!r} cannot feed target {target.name!r}")
+        paths = []
+        for index, image in enumerate(item.images):
+            path = self.folder / f"{item.benchmark}-{item.item_id}-{index}.png"
+            if not path.is_file():
+                self.folder.mkdir(parents=True, exist_ok=True)
+                image.save(path)
+            paths.append(path)
+        return self.adapter, paths
+
+
+def first_mismatch(target: Target, prompt, expected: list[int], got: list[int], turn: int) -> dict | None:
     """Where a tree output first leaves the vanilla output, with the target's margin there (None: equal)."""
     if expected == got:
         return None
     position = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
-    margin = logit_margin(target, prompt_ids, expected[:position])
+    margin = logit_margin(target, prompt, expected[:position])
     return {"turn": turn, "position": position, "expected": expected[position:position + 1],
             "got": got[position:position + 1], "logit_margin": margin}
 
 
 def run_batch(target: Target, methods: list[Method], items: list[BenchItem], temperature: float,
-              config: BenchConfig) -> list[Record]:
+              config: BenchConfig, media: MediaWriter | None = None) -> list[Record]:
     """All methods on a batch of items of one benchmark, turn by turn, each on its own history."""
+    media = media or MediaWriter(Path(config.out) / "images", config.adapter)
     decode = decode_config(config, temperature)
     records = {m.name: [Record(it.benchmark, it.item_id, m.name, temperature) for it in items] for m in methods}
     histories = {m.name: [[] for _ in items] for m in methods}
@@ -157,7 +190,7 @@ def run_batch(target: Target, methods: list[Method], items: list[BenchItem], tem
             prompts = []
             for row, item in enumerate(items):
                 histories[method.name][row].append({"role": "user", "content": item.turns[turn]})
-                prompts.append(chat_ids(target, histories[method.name][row]))
+                prompts.append(make_prompt(target, histories[method.name][row], item, turn, media))
             results = method.generate(prompts, decode)
             for row, result in enumerate(results):
                 record = records[method.name][row]
@@ -171,11 +204,11 @@ def run_batch(target: Target, methods: list[Method], items: list[BenchItem], tem
                                                      list(result.output_ids), turn)
             if method.name == "vanilla":
                 vanilla_outputs = [list(r.output_ids) for r in results]
-    score = TEXT_BENCHMARKS[items[0].benchmark].score
+    score = benchmark(items[0].benchmark).score
     all_records = [record for name in records for record in records[name]]
     if score is not None:
         for record, item in zip(all_records, items * len(methods)):
-            record.correct = score(record.answer, item.reference)
+            record.correct = float(score(record.answer, item.reference))
     return all_records
 
 
@@ -217,9 +250,9 @@ def check_out_dir(out_dir: Path, config: BenchConfig, resume: bool) -> None:
         raise UserError(f"--resume: settings differ from the interrupted run ({', '.join(changed)})")
 
 
-def warm_up(methods: list[Method], target: Target, item: BenchItem, config: BenchConfig) -> None:
+def warm_up(methods: list[Method], target: Target, item: BenchItem, config: BenchConfig, media: MediaWriter) -> None:
     """One short generation per method, so no method pays first-call costs inside the measurement."""
-    prompt = chat_ids(target, [{"role": "user", "content": item.turns[0]}])
+    prompt = make_prompt(target, [{"role": "user", "content": item.turns[0]}], item, 0, media)
     decode = DecodeConfig(WARMUP_TOKENS, tree=decode_config(config, 0.0).tree)
     for method in methods:
         method.generate([prompt], decode)
@@ -235,25 +268,27 @@ def run_bench(config: BenchConfig, target: Target | None = None, resume: bool = 
     config.validate()
     out_dir = Path(config.out)
     check_out_dir(out_dir, config, resume)
+    names = resolve_suite(config.suite)
     if target is None:
         from mmvsd.targets import load_target
 
-        target = load_target(config.target)
+        target = load_target(config.target or ("smol-llava" if is_multimodal(names) else "smollm2-135m"))
     methods = sorted(build_methods(config, target), key=lambda m: m.name != "vanilla")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
     done = completed_keys(read_records(out_dir), methods)
     work = [(t, b, [it for it in load_items(b, config.limit) if (b, it.item_id, t) not in done])
-            for t in config.temperatures for b in resolve_suite(config.suite)]
+            for t in config.temperatures for b in names]
+    media = MediaWriter(out_dir / "images", config.adapter)
     first = next((items[0] for _, _, items in work if items), None)
     if first is not None:
-        warm_up(methods, target, first, config)
+        warm_up(methods, target, first, config, media)
     bar = tqdm(total=sum(len(items) for _, _, items in work), desc="bench", dynamic_ncols=True, disable=not progress)
     with open(out_dir / RECORDS, "a") as handle:
         for temperature, _, items in work:
             for start in range(0, len(items), config.batch_size):
                 batch = items[start:start + config.batch_size]
-                records = run_batch(target, methods, batch, temperature, config)
+                records = run_batch(target, methods, batch, temperature, config, media)
                 handle.writelines(json.dumps(asdict(record)) + "\n" for record in records)
                 handle.flush()
                 bar.update(len(batch))

@@ -27,8 +27,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="speed-up, tau and lossless check of drafters on benchmark suites",
                        description="Runs every method on the same prompts, interleaved per prompt, after a "
                                    "warm-up; writes table.md, results.json/.csv, records.jsonl and PNG plots.")
-    p.add_argument("--suite", default=defaults.suite, help="text, or benchmark names: mt_bench,humaneval,gsm8k")
-    p.add_argument("--target", default=defaults.target, help=f"target (default {defaults.target})")
+    p.add_argument("--suite", default=defaults.suite,
+                   help="text, mllm, or benchmark names (mt_bench, humaneval, gsm8k, lmms-eval task names)")
+    p.add_argument("--target", default=defaults.target,
+                   help="target (default: smol-llava for suites with images, else smollm2-135m)")
     p.add_argument("--drafter", type=_list, default=defaults.drafters,
                    help="drafter folder(s), comma-separated, compared side by side (default: random, an untrained "
                         "EAGLE-3 drafter)")
@@ -41,6 +43,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tree-depth", type=int, default=defaults.tree_depth)
     p.add_argument("--tree-topk", type=int, default=defaults.tree_topk)
     p.add_argument("--assistant", default="", help="draft model with the target's tokenizer, for --methods assisted")
+    p.add_argument("--adapter", default="", help="modality adapter for image prompts (default: the first that fits)")
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--out", default=defaults.out, help="results folder")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
@@ -51,7 +54,8 @@ def run_bench_command(args: argparse.Namespace) -> None:
     config = BenchConfig(suite=args.suite, target=args.target, drafters=args.drafter, methods=args.methods,
                          temperatures=args.temperature, limit=args.limit, batch_size=args.batch_size,
                          max_new_tokens=args.max_new_tokens, tree_budget=args.tree_budget, tree_depth=args.tree_depth,
-                         tree_topk=args.tree_topk, assistant=args.assistant, seed=args.seed, out=args.out)
+                         tree_topk=args.tree_topk, assistant=args.assistant, adapter=args.adapter, seed=args.seed,
+                         out=args.out)
     if min(config.tree_budget, config.tree_depth, config.tree_topk) < 1:
         raise UserError("--tree-budget, --tree-depth and --tree-topk must be >= 1")
     from mmvsd.eval.bench import run_bench

@@ -15,7 +15,7 @@ class BenchConfig:
     """Everything one `mmvsd bench` run decides (saved with its results)."""
 
     suite: str = "text"
-    target: str = "smollm2-135m"
+    target: str = ""  # "": smol-llava for suites with images, else smollm2-135m
     drafters: list[str] = field(default_factory=lambda: ["random"])
     methods: list[str] = field(default_factory=lambda: ["vanilla", "hf", "pld", "tree"])
     temperatures: list[float] = field(default_factory=lambda: [0.0])
@@ -26,6 +26,7 @@ class BenchConfig:
     tree_depth: int = 7
     tree_topk: int = 10
     assistant: str = ""  # a model with the target's tokenizer for `assisted`
+    adapter: str = ""  # modality adapter for image items ("": the first that fits the target)
     seed: int = 0
     out: str = "bench-results"
 

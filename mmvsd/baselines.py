@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from mmvsd.adapter import Prompt
 from mmvsd.decode import DecodeConfig, SequenceResult
 from mmvsd.target import Target
 
@@ -16,12 +17,14 @@ from mmvsd.target import Target
 @torch.no_grad()
 def hf_generate(
     target: Target,
-    prompt_ids: list[int],
+    prompt: list[int] | Prompt,
     config: DecodeConfig,
     prompt_lookup_num_tokens: int | None = None,
     assistant_model=None,
 ) -> SequenceResult:
-    """One prompt through `model.generate` (greedy or sampled per `config`)."""
+    """One prompt through `model.generate` (greedy or sampled per `config`); a `Prompt` with media
+    goes in as input ids plus its input embeddings, which transformers reads at the first step."""
+    prompt_ids = list(prompt.token_ids) if isinstance(prompt, Prompt) else list(prompt)
     ids = torch.tensor([prompt_ids], device=target.device)
     eos = sorted(target.eos_token_ids) or None
     kwargs = dict(
@@ -38,6 +41,8 @@ def hf_generate(
         kwargs["prompt_lookup_num_tokens"] = prompt_lookup_num_tokens
     if assistant_model is not None:
         kwargs["assistant_model"] = assistant_model
+    if isinstance(prompt, Prompt) and prompt.inputs_embeds is not None:
+        kwargs["inputs_embeds"] = prompt.inputs_embeds[None].to(target.device, target.dtype)
     start = time.perf_counter()
     out = target.model.generate(ids, **kwargs)
     wall = time.perf_counter() - start

@@ -106,7 +106,7 @@ def run_generate(args: argparse.Namespace) -> None:
     import torch
 
     from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate
-    from mmvsd.drafter import load_drafter
+    from mmvsd.drafter import drafter_from_spec
     from mmvsd.prompts import read_prompt_file
     from mmvsd.targets import load_target
     from mmvsd.tree import TreeShape
@@ -120,13 +120,7 @@ def run_generate(args: argparse.Namespace) -> None:
     config = DecodeConfig(args.max_new_tokens, args.temperature,
                           TreeShape(args.tree_budget, args.tree_depth, args.tree_topk), args.seed)
     target = load_target(args.target)
-    drafter = None
-    if args.drafter == "random":
-        from mmvsd.drafters.eagle3 import Eagle3Drafter
-
-        drafter = Eagle3Drafter.from_target(target, seed=args.seed).eval()
-    elif args.drafter != "none":
-        drafter = load_drafter(args.drafter, target)
+    drafter = drafter_from_spec(args.drafter, target, args.seed)
     torch.manual_seed(args.seed)
     prompts = _encode_prompts(target, texts, args)
     records = []

@@ -163,6 +163,16 @@ def load_drafter(path: str | Path, target) -> Drafter:
     return drafter
 
 
+def drafter_from_spec(spec: str, target, seed: int = 0) -> Drafter | None:
+    """What `--drafter` names: None for `none` (plain decoding), an untrained EAGLE-3 drafter for
+    `random`, else the drafter folder `spec`."""
+    if spec == "none":
+        return None
+    if spec == "random":
+        return drafter_class("eagle3").from_target(target, seed=seed).eval()
+    return load_drafter(spec, target)
+
+
 def save_drafter_folder(drafter: Drafter, config: dict, out_dir: str | Path) -> None:
     """Write config.json (with `mmvsd_drafter_type`) + model.safetensors atomically."""
     from safetensors.torch import save_file

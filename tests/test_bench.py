@@ -103,7 +103,8 @@ def test_resume_continues_and_a_fresh_run_refuses_an_old_folder(tiny_dir, tmp_pa
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--suite", "mmlu"], "unknown suite or benchmark 'mmlu'; valid: text, mt_bench, humaneval, gsm8k"),
+    (["--suite", "mmlu"], ("unknown suite or benchmark 'mmlu'; valid: text, mllm, mt_bench, humaneval, gsm8k, "
+                           "vqav2_val, ai2d")),
     (["--methods", "vanilla,medusa"], "unknown method(s) medusa"),
     (["--methods", "tree"], "must include vanilla"),
     (["--methods", "vanilla,assisted"], "needs --assistant"),
@@ -136,3 +137,22 @@ def test_accuracy_checks():
     assert humaneval_passed(f"```python\n{problem['prompt']}{problem['canonical_solution']}```", problem)
     assert not humaneval_passed("    return None\n", problem)
     assert not humaneval_passed("    while True:\n        pass\n", problem, timeout=1.0)
+
+
+def test_mllm_suite_runs_the_offline_tasks_through_lmms_eval(llava_dir, tmp_path):
+    out = tmp_path / "mllm"
+    code = bench(["--suite", "mllm", "--limit", "1", "--target", str(llava_dir), "--methods", "vanilla,hf,tree",
+                  "--max-new-tokens", "6", "--out", str(out)])
+    assert code == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    tasks = {r["benchmark"] for r in rows} - {"average"}
+    assert tasks == {f"{name}_mini_long" for name in ("vqav2_val", "ai2d", "chartqa", "textvqa_val", "scienceqa_img",
+                                                      "hallusion_bench_image")}  # no real dataset here
+    assert all(r["lossless_mismatches"] == 0 for r in rows if r["method"] == "tree" and r["benchmark"] != "average")
+    assert all(r["accuracy"] is not None for r in rows)  # lmms-eval's own process_results scored every answer
+    assert len(list((out / "images").glob("*.png"))) == 6  # the images the adapter read, kept with the results
+
+
+def test_a_real_task_without_its_dataset_is_a_clear_error(tmp_path, capsys):
+    assert bench(["--suite", "chartqa", "--out", str(tmp_path / "x")]) == 2
+    assert "use the offline chartqa_mini" in capsys.readouterr().err

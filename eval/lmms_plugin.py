@@ -1,0 +1,243 @@
+"""The lmms-eval model `mmvsd`: answers lmms-eval `generate_until` requests with mmvsd's decoders
+(tree speculative decoding with a drafter, or mmvsd's own autoregressive loop) and records tau per sample.
+
+    python -m lmms_eval --model mmvsd --tasks chartqa_mini --include_path <mmvsd.eval.mini_task_dir()> \\
+        --model_args target=smol-llava,drafter=random,records=tau.jsonl --predict_only --output_path out
+
+model_args (lmms-eval's `key=value,key=value`; unknown keys are errors):
+    target          mmvsd target: built-in name, local folder, .gguf file or cached HF id (required)
+    drafter         a drafter folder, `none` (plain autoregressive decoding) or `random` (untrained EAGLE-3)
+    temperature     default 0; max_new_tokens default 128. Both apply only where the task's generation
+                    kwargs do not say; lmms-eval's `--gen_kwargs temperature=...` overrides the tasks.
+    tree_budget / tree_depth / tree_topk   the draft tree shape (60 / 7 / 10, as `mmvsd generate`)
+    adapter         modality adapter for image prompts (default: the first registered one that fits)
+    seed            sampling seed, the same for every request (results do not depend on request order)
+    records         JSONL file rewritten after every batch of requests with one record per sample
+    dtype, device   how to load the target (float32 on the CPU by default; lmms-eval's --device sets device)
+
+Generation kwargs: `until` stop strings cut the decoded text (decoding itself stops at EOS or
+max_new_tokens); temperature 0 is greedy, and `do_sample` is ignored as in lmms-eval's llava_hf.
+top_p, top_k and beams are not supported: non-default values are ignored with one warning.
+
+Records: task, split, doc_id, tau (mean accepted tokens per target forward, bonus token counted:
+the mean of `SequenceResult.accept_lengths`, 1.0 for drafter=none), new_tokens, target_forwards,
+wall_seconds (decoding only, prompt encoding excluded). lmms-eval's samples log gets the prompt and
+generated token counts (before `until` cuts the text) of every answer.
+
+Registration: the entry point `mmvsd = "mmvsd.eval.lmms_plugin:lmms_manifests"` in the group
+`lmms_eval.models`. lmms-eval imports every such entry point when `lmms_eval.models` is imported,
+so this module imports transformers-backed mmvsd modules only when a model is built.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lmms_eval.api.instance import GenerationResult, Instance, TokenCounts
+from lmms_eval.api.model import lmms
+from loguru import logger
+from PIL import Image
+from tqdm import tqdm
+
+from mmvsd.adapter import ModalityAdapter, Prompt
+from mmvsd.errors import UserError
+
+if TYPE_CHECKING:
+    from lmms_eval.models.registry_v2 import ModelManifest
+
+    from mmvsd.decode import DecodeConfig, SequenceResult
+
+MODEL_NAME = "mmvsd"
+IMAGE_PLACEHOLDER = "<image>"  # what lmms-eval tasks put in the context where a LLaVA prompt shows the image
+UNSUPPORTED_GEN_KWARGS = {"top_p": (None, 1, 1.0), "top_k": (None, 0), "num_beams": (None, 1)}  # key: no-op values
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def lmms_manifests() -> list[ModelManifest]:
+    """The entry-point payload: `--model mmvsd` is `MmvsdLmms`.
+
+    A callable, not a module constant: importing `lmms_eval.models` scans the entry points, so a
+    module-level import of it here would re-enter this module half-initialised when it is imported first.
+    """
+    from lmms_eval.models.registry_v2 import ModelManifest
+
+    return [ModelManifest(model_id=MODEL_NAME, simple_class_path=f"{__name__}.{MmvsdLmms.__name__}")]
+
+
+def stop_strings(gen_kwargs: dict[str, Any]) -> list[str]:
+    """The task's `until` as a list of non-empty strings (None, a string or a list)."""
+    until = gen_kwargs.get("until") or []
+    if isinstance(until, str):
+        until = [until]
+    if not isinstance(until, (list, tuple)) or not all(isinstance(s, str) for s in until):
+        raise UserError(f"generation kwarg 'until' must be a string or a list of strings, got {until!r}")
+    return [s for s in until if s]
+
+
+def cut_at_stop(text: str, stops: list[str]) -> str:
+    """`text` up to the earliest occurrence of any stop string."""
+    cut = min((text.find(s) for s in stops if s in text), default=len(text))
+    return text[:cut]
+
+
+def flat_visuals(visuals: Any) -> list:
+    """doc_to_visual's result as a flat list (None for text-only tasks, a single item, nested lists)."""
+    if visuals is None:
+        return []
+    if not isinstance(visuals, (list, tuple)):
+        return [visuals]
+    return [item for entry in visuals for item in flat_visuals(entry)]
+
+
+def sample_record(task: str, split: str, doc_id: int, result: SequenceResult) -> dict[str, Any]:
+    """What is kept of one request's decoding."""
+    return {
+        "task": task,
+        "split": split,
+        "doc_id": doc_id,
+        "tau": float(statistics.mean(result.accept_lengths)) if result.accept_lengths else 0.0,
+        "new_tokens": len(result.output_ids),
+        "target_forwards": result.num_target_forwards,
+        "wall_seconds": result.wall_seconds,
+    }
+
+
+class MmvsdLmms(lmms):
+    """lmms-eval model over an mmvsd target and drafter; `records` holds one dict per answered request."""
+
+    def __init__(
+        self,
+        target: str = "",
+        drafter: str = "none",
+        temperature: float = 0.0,
+        max_new_tokens: int = 128,
+        tree_budget: int = 60,
+        tree_depth: int = 7,
+        tree_topk: int = 10,
+        adapter: str = "",
+        seed: int = 0,
+        records: str = "",
+        dtype: str = "float32",
+        device: str | None = None,
+        batch_size: int | str = 1,
+        max_batch_size: int | None = None,
+        **unknown: Any,
+    ) -> None:
+        super().__init__()
+        if unknown:
+            raise UserError(f"unknown model_args for --model {MODEL_NAME}: {', '.join(sorted(unknown))}")
+        if not target:
+            raise UserError(f"--model {MODEL_NAME} needs model_args target=NAME_OR_FOLDER")
+        if str(batch_size) != "1":
+            raise UserError(f"--model {MODEL_NAME} decodes one request at a time (tau and wall time are per "
+                            f"sample): use batch_size 1, not {batch_size}")
+        if dtype not in DTYPES:
+            raise UserError(f"unknown dtype {dtype!r}; choose {', '.join(DTYPES)}")
+        from mmvsd.drafter import drafter_from_spec
+        from mmvsd.targets import load_target
+        from mmvsd.tree import TreeShape
+
+        self.tree = TreeShape(int(tree_budget), int(tree_depth), int(tree_topk))
+        self.temperature = float(temperature)
+        self.max_new_tokens = int(max_new_tokens)
+        self.seed = int(seed)
+        self.records_path = Path(records) if records else None
+        self.records: list[dict[str, Any]] = []
+        self.target = load_target(str(target), dtype=DTYPES[dtype], device=device or "cpu")
+        self.drafter = drafter_from_spec(str(drafter), self.target, self.seed)
+        self.adapter_name = str(adapter)
+        self._image_adapter: ModalityAdapter | None = None
+        self._warned_keys: set[str] = set()
+        if self.adapter_name:
+            self.image_adapter()  # a wrong name or an adapter that cannot feed the target fails here
+
+    def image_adapter(self) -> ModalityAdapter:
+        """The adapter that turns text + image files into prompts (chosen once, on first use)."""
+        if self._image_adapter is None:
+            from mmvsd.adapter import adapter_for, get_adapter
+
+            chosen = get_adapter(self.adapter_name) if self.adapter_name else adapter_for(self.target, "image")
+            if chosen.modality != "image":
+                raise UserError(f"adapter {chosen.name!r} takes no images")
+            if not chosen.accepts(self.target):
+                raise UserError(f"adapter {chosen.name!r} cannot feed target {self.target.name!r}")
+            self._image_adapter = chosen
+        return self._image_adapter
+
+    def encode(self, context: str, visuals: list) -> Prompt:
+        """The prompt for a context string and its images (PIL images or image file paths)."""
+        text = context.replace(IMAGE_PLACEHOLDER, "").strip()
+        if not visuals:
+            return Prompt(self.target.encode_prompt(text))
+        with tempfile.TemporaryDirectory(prefix="mmvsd-lmms-") as folder:
+            paths = []
+            for index, visual in enumerate(visuals):
+                if isinstance(visual, Image.Image):
+                    paths.append(Path(folder) / f"{index}.png")  # PNG: the adapter reads the same pixels back
+                    visual.convert("RGB").save(paths[-1])
+                elif isinstance(visual, (str, Path)):
+                    paths.append(Path(visual))
+                else:
+                    raise UserError(f"--model {MODEL_NAME} takes images (PIL or file paths), got {type(visual).__name__}")
+            return self.image_adapter().encode(self.target, text, paths)
+
+    def decode_config(self, gen_kwargs: dict[str, Any]) -> DecodeConfig:
+        """mmvsd's DecodeConfig for one request: the task's kwargs where given, else the model_args."""
+        from mmvsd.decode import DecodeConfig
+
+        for key, no_op_values in UNSUPPORTED_GEN_KWARGS.items():
+            if gen_kwargs.get(key) not in no_op_values and key not in self._warned_keys:
+                self._warned_keys.add(key)
+                logger.warning(f"--model {MODEL_NAME} ignores generation kwarg {key}={gen_kwargs[key]!r}")
+        max_new_tokens = gen_kwargs.get("max_new_tokens") or self.max_new_tokens
+        temperature = gen_kwargs.get("temperature")
+        temperature = self.temperature if temperature is None else temperature
+        return DecodeConfig(int(max_new_tokens), float(temperature), self.tree, self.seed)
+
+    def generate_one(self, prompt: Prompt, gen_kwargs: dict[str, Any]) -> SequenceResult:
+        """Decode one prompt with the drafter (speculative) or without one (autoregressive)."""
+        from mmvsd.decode import speculative_generate, vanilla_generate
+
+        config = self.decode_config(gen_kwargs)
+        if self.drafter is None:
+            return vanilla_generate(self.target, [prompt], config)[0]
+        return speculative_generate(self.target, self.drafter, [prompt], config)[0]
+
+    def generate_until(self, requests: list[Instance]) -> list[GenerationResult]:
+        """One answer (text and token counts) per request, in request order; appends a record per request
+        to `self.records`."""
+        answers = []
+        for request in tqdm(requests, disable=self.rank != 0, desc="mmvsd decoding"):
+            context, gen_kwargs, doc_to_visual, doc_id, task, split = request.args
+            gen_kwargs = gen_kwargs or {}
+            visuals = flat_visuals(doc_to_visual(self.task_dict[task][split][doc_id])) if doc_to_visual else []
+            result = self.generate_one(self.encode(context, visuals), gen_kwargs)
+            answer = cut_at_stop(self.target.decode(result.output_ids), stop_strings(gen_kwargs))
+            counts = TokenCounts(input_tokens=len(result.prompt_ids), output_tokens=len(result.output_ids))
+            answers.append(GenerationResult(answer, counts))
+            self.records.append(sample_record(task, split, doc_id, result))
+            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), answer)
+        self.write_records()
+        return answers
+
+    def write_records(self) -> None:
+        """Rewrite the records file (when model_args give one) with every record so far."""
+        if self.records_path is None:
+            return
+        from mmvsd.files import atomic_file
+
+        with atomic_file(self.records_path) as handle:
+            handle.writelines(json.dumps(record) + "\n" for record in self.records)
+
+    def loglikelihood(self, requests: list[Instance]) -> list[tuple[float, bool]]:
+        raise NotImplementedError(f"--model {MODEL_NAME} only generates (speculative decoding): loglikelihood "
+                                  "tasks (multiple choice scored by likelihood) are not supported")
+
+    def generate_until_multi_round(self, requests: list[Instance]) -> list[str]:
+        raise NotImplementedError(f"--model {MODEL_NAME} answers single-turn generate_until tasks only: "
+                                  "multi-round generation is not supported")

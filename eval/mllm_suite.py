@@ -1,0 +1,111 @@
+"""The multimodal benchmarks of `mmvsd bench`, read through lmms-eval's own task definitions.
+
+The suite `mllm` is the six benchmarks the paper reports. Each runs as the real lmms-eval task
+(`vqav2_val`, `ai2d`, `chartqa`, `textvqa_val`, `scienceqa_img`, `hallusion_bench_image`) when its
+dataset is already on this machine, else as mmvsd's offline `<task>_mini_long` task (synthetic
+images, long-answer prompts as the paper's speed evaluation uses). Naming a real task explicitly
+never falls back: a missing dataset is an error that names the offline task to use instead.
+Prompts, images and scoring all come from lmms-eval (`doc_to_text`, `doc_to_visual`,
+`process_results`), so `mmvsd bench` and `lmms_eval --model mmvsd` share the task files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+
+from mmvsd.errors import UserError
+from mmvsd.eval import LONG_SUFFIX, MINI_TASKS, mini_task_dir
+
+REAL_TASKS = tuple(name.removesuffix("_mini") for name in MINI_TASKS)  # vqav2_val, ai2d, chartqa, ...
+MINI_NAMES = tuple(MINI_TASKS) + tuple(name + LONG_SUFFIX for name in MINI_TASKS)
+IMAGE_MARKER = "<image>"
+
+
+def is_task(name: str) -> bool:
+    return name in REAL_TASKS or name in MINI_NAMES
+
+
+@contextlib.contextmanager
+def _offline() -> Iterator[None]:
+    """No network while lmms-eval loads a dataset: a dataset that is not cached fails at once."""
+    saved = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
+    os.environ.update({k: "1" for k in saved})
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@functools.cache
+def _task_manager():
+    from lmms_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(mini_task_dir()))
+
+
+@functools.cache
+def load_task(name: str):
+    """The lmms-eval task object (its dataset loaded offline); UserError if that is impossible."""
+    from lmms_eval.tasks import get_task_dict
+
+    try:
+        with _offline():
+            return get_task_dict([name], _task_manager())[name]
+    except Exception as err:  # noqa: BLE001  lmms-eval and datasets raise many types for a missing dataset
+        mini = f"{name}_mini"
+        hint = f"; use the offline {mini} / {mini}{LONG_SUFFIX}, or --suite mllm (falls back to them)" \
+            if name in REAL_TASKS else ""
+        raise UserError(f"lmms-eval task {name!r} cannot be loaded on this machine ({type(err).__name__}: "
+                        f"{str(err)[:160]}){hint}") from None
+
+
+def available(name: str) -> bool:
+    try:
+        load_task(name)
+    except UserError:
+        return False
+    return True
+
+
+def suite_tasks() -> list[str]:
+    """The `mllm` suite: each real task if its data is here, else its offline long-answer mini task."""
+    return [real if available(real) else f"{real}_mini{LONG_SUFFIX}" for real in REAL_TASKS]
+
+
+def task_docs(name: str) -> list:
+    task = load_task(name)
+    docs = task.test_docs() if task.has_test_docs() else task.validation_docs()
+    return list(docs)
+
+
+def task_items(name: str, limit: int = 0) -> list:
+    """BenchItems of an lmms-eval task: the prompt text (image marker removed) and the PIL images."""
+    from mmvsd.eval.suites import BenchItem
+
+    task = load_task(name)
+    docs = task_docs(name)
+    docs = docs[:limit] if limit > 0 else docs
+    items = []
+    for index, doc in enumerate(docs):
+        text = str(task.doc_to_text(doc)).replace(IMAGE_MARKER, "").strip()
+        images = tuple(image.convert("RGB") for image in task.doc_to_visual(doc) or [])
+        items.append(BenchItem(name, str(index), (text,), {"doc_index": index}, images))
+    return items
+
+
+def task_score(name: str, answer: str, reference: dict) -> float:
+    """The task's first metric for one answer, from lmms-eval's own process_results."""
+    task = load_task(name)
+    doc = task_docs(name)[reference["doc_index"]]
+    metrics = task.process_results(doc, [answer])
+    first = next(iter(metrics.values()))
+    if isinstance(first, dict):  # some tasks return a per-sample record; its score field is the metric
+        first = first.get("score", first.get("accuracy", 0.0))
+    return float(first)
