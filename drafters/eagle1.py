@@ -20,8 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mmvsd.drafter import Drafter, PairMedia, load_drafter_weights, read_drafter_config, save_drafter_folder
-from mmvsd.drafters.eagle3 import MLP, Attention, RMSNorm, _rope_theta
+from mmvsd.drafter import (
+    Drafter,
+    PairMedia,
+    check_fits_target,
+    load_drafter_weights,
+    read_drafter_config,
+    save_drafter_folder,
+)
+from mmvsd.drafters.eagle3 import MLP, Attention, RMSNorm, layer_sizes
 from mmvsd.errors import UserError
 from mmvsd.kv import RaggedCache
 
@@ -46,21 +53,7 @@ class Eagle1Config:
     @classmethod
     def from_target(cls, target, **extra) -> Eagle1Config:
         """A config sized like `target`'s decoder layers."""
-        text = target.model.config.get_text_config(decoder=True)
-        heads = text.num_attention_heads
-        return cls(
-            hidden_size=text.hidden_size,
-            intermediate_size=text.intermediate_size,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(text, "num_key_value_heads", heads) or heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-            vocab_size=target.vocab_size,
-            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(text),
-            max_position_embeddings=target.max_positions,
-            target_name=target.name,
-            **extra,
-        )
+        return cls(**layer_sizes(target), **extra)
 
 
 @dataclass
@@ -169,15 +162,7 @@ class Eagle1Drafter(Drafter):
         return torch.arange(self.config.vocab_size, device=self.fc.weight.device)
 
     def check_target(self, target) -> None:
-        cfg = self.config
-        problems = []
-        if cfg.hidden_size != target.hidden_size:
-            problems.append(f"hidden size {cfg.hidden_size} != target's {target.hidden_size}")
-        if cfg.vocab_size != target.vocab_size:
-            problems.append(f"vocabulary {cfg.vocab_size} != target's {target.vocab_size}")
-        if problems:
-            made_for = f" (made for {cfg.target_name!r})" if cfg.target_name else ""
-            raise UserError(f"drafter does not fit target {target.name!r}{made_for}: " + "; ".join(problems))
+        check_fits_target(target, self.config.hidden_size, self.config.vocab_size, self.config.target_name)
 
     def save_pretrained(self, out_dir: str | Path) -> None:
         save_drafter_folder(self, asdict(self.config), out_dir)

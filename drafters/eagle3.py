@@ -22,12 +22,12 @@ from torch import Tensor, nn
 from mmvsd.drafter import (
     Drafter,
     PairMedia,
+    check_fits_target,
     load_drafter_weights,
     read_drafter_config,
     register_drafter,
     save_drafter_folder,
 )
-from mmvsd.errors import UserError
 from mmvsd.kv import RaggedCache
 
 
@@ -52,23 +52,30 @@ class Eagle3Config:
     @classmethod
     def from_target(cls, target, draft_vocab_size: int | None = None) -> Eagle3Config:
         """A drafter config sized like `target`'s decoder layers."""
-        text = target.model.config.get_text_config(decoder=True)
-        heads = text.num_attention_heads
         return cls(
-            hidden_size=text.hidden_size,
-            intermediate_size=text.intermediate_size,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(text, "num_key_value_heads", heads) or heads,
-            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-            vocab_size=target.vocab_size,
+            **layer_sizes(target),
             draft_vocab_size=min(draft_vocab_size or target.vocab_size, target.vocab_size),
             target_hidden_size=target.hidden_size,
             aux_layer_ids=list(target.aux_layer_ids),
-            rms_norm_eps=getattr(text, "rms_norm_eps", 1e-6),
-            rope_theta=_rope_theta(text),
-            max_position_embeddings=target.max_positions,
-            target_name=target.name,
         )
+
+
+def layer_sizes(target) -> dict:
+    """The sizes of `target`'s decoder layers that a one-layer drafter copies, plus its vocabulary and name."""
+    text = target.model.config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    return {
+        "hidden_size": text.hidden_size,
+        "intermediate_size": text.intermediate_size,
+        "num_attention_heads": heads,
+        "num_key_value_heads": getattr(text, "num_key_value_heads", heads) or heads,
+        "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
+        "vocab_size": target.vocab_size,
+        "rms_norm_eps": getattr(text, "rms_norm_eps", 1e-6),
+        "rope_theta": _rope_theta(text),
+        "max_position_embeddings": target.max_positions,
+        "target_name": target.name,
+    }
 
 
 def _rope_theta(text_config) -> float:
@@ -213,16 +220,10 @@ class Eagle3Drafter(Drafter):
 
     def check_target(self, target) -> None:
         cfg = self.config
-        problems = []
-        if cfg.target_hidden_size != target.hidden_size:
-            problems.append(f"hidden size {cfg.target_hidden_size} != target's {target.hidden_size}")
-        if cfg.vocab_size != target.vocab_size:
-            problems.append(f"vocabulary {cfg.vocab_size} != target's {target.vocab_size}")
+        extra = []
         if max(cfg.aux_layer_ids, default=0) > target.num_layers:
-            problems.append(f"feature layers {cfg.aux_layer_ids} beyond the target's {target.num_layers} layers")
-        if problems:
-            made_for = f" (made for {cfg.target_name!r})" if cfg.target_name else ""
-            raise UserError(f"drafter does not fit target {target.name!r}{made_for}: " + "; ".join(problems))
+            extra.append(f"feature layers {cfg.aux_layer_ids} beyond the target's {target.num_layers} layers")
+        check_fits_target(target, cfg.target_hidden_size, cfg.vocab_size, cfg.target_name, extra)
 
     def save_pretrained(self, out_dir: str | Path) -> None:
         """Write config.json + model.safetensors atomically (a temporary folder, then rename)."""

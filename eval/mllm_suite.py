@@ -15,6 +15,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 from mmvsd.errors import UserError
 from mmvsd.eval import LONG_SUFFIX, MINI_TASKS, mini_task_dir
@@ -22,6 +23,7 @@ from mmvsd.eval import LONG_SUFFIX, MINI_TASKS, mini_task_dir
 REAL_TASKS = tuple(name.removesuffix("_mini") for name in MINI_TASKS)  # vqav2_val, ai2d, chartqa, ...
 MINI_NAMES = tuple(MINI_TASKS) + tuple(name + LONG_SUFFIX for name in MINI_TASKS)
 IMAGE_MARKER = "<image>"
+LOCAL_BUILDERS = {"json", "parquet", "csv", "arrow", "text", "imagefolder"}
 
 
 def is_task(name: str) -> bool:
@@ -66,7 +68,26 @@ def load_task(name: str):
                         f"{str(err)[:160]}){hint}") from None
 
 
+def _dataset_on_disk(name: str) -> bool:
+    """Cheap first check: the task's dataset is a local file builder or folder, or in the HF hub cache."""
+    from huggingface_hub import snapshot_download
+
+    from mmvsd.layouts import hf_hub_cache
+
+    path = str(_task_manager()._get_config(name).get("dataset_path", ""))
+    if path in LOCAL_BUILDERS or Path(path).expanduser().exists():
+        return True
+    try:
+        snapshot_download(path, repo_type="dataset", cache_dir=hf_hub_cache(), local_files_only=True)
+    except Exception:  # noqa: BLE001  not cached (huggingface_hub raises several types)
+        return False
+    return True
+
+
 def available(name: str) -> bool:
+    """Whether lmms-eval can load task `name` here, without the network."""
+    if not _dataset_on_disk(name):
+        return False
     try:
         load_task(name)
     except UserError:

@@ -163,6 +163,19 @@ def load_drafter(path: str | Path, target) -> Drafter:
     return drafter
 
 
+def check_fits_target(target, hidden_size: int, vocab_size: int, made_for: str, extra: list[str] = ()) -> None:
+    """UserError listing every way a drafter of these sizes (made for `made_for`) does not fit `target`."""
+    problems = []
+    if hidden_size != target.hidden_size:
+        problems.append(f"hidden size {hidden_size} != target's {target.hidden_size}")
+    if vocab_size != target.vocab_size:
+        problems.append(f"vocabulary {vocab_size} != target's {target.vocab_size}")
+    problems += extra
+    if problems:
+        made_for = f" (made for {made_for!r})" if made_for else ""
+        raise UserError(f"drafter does not fit target {target.name!r}{made_for}: " + "; ".join(problems))
+
+
 def drafter_from_spec(spec: str, target, seed: int = 0) -> Drafter | None:
     """What `--drafter` names: None for `none` (plain decoding), an untrained EAGLE-3 drafter for
     `random`, else the drafter folder `spec`."""
