@@ -90,6 +90,14 @@ def test_planted_mismatch_is_flagged_with_the_target_margin(tiny_dir):
     assert next(r for r in records if r.method == "vanilla").mismatch is None
 
 
+def test_assisted_generation_with_a_same_tokenizer_model(tiny_dir, tmp_path):
+    out = tmp_path / "assisted"
+    assert bench(["--suite", "gsm8k", "--limit", "1", "--target", str(tiny_dir), "--methods", "vanilla,assisted",
+                  "--assistant", str(tiny_dir), "--out", str(out)]) == 0
+    records = {r["method"]: r for r in map(json.loads, (out / "records.jsonl").read_text().splitlines())}
+    assert records["assisted"]["output_ids"] == records["vanilla"]["output_ids"]  # greedy assisted is lossless
+
+
 def test_resume_continues_and_a_fresh_run_refuses_an_old_folder(tiny_dir, tmp_path, capsys):
     common = ["--suite", "gsm8k", "--target", str(tiny_dir), "--methods", "vanilla,tree", "--out", str(tmp_path / "r")]
     assert bench([*common, "--limit", "1"]) == 0
@@ -141,7 +149,7 @@ def test_accuracy_checks():
 
 def test_mllm_suite_runs_the_offline_tasks_through_lmms_eval(llava_dir, tmp_path):
     out = tmp_path / "mllm"
-    code = bench(["--suite", "mllm", "--limit", "1", "--target", str(llava_dir), "--methods", "vanilla,hf,tree",
+    code = bench(["--suite", "mllm", "--limit", "2", "--target", str(llava_dir), "--methods", "vanilla,hf,tree",
                   "--max-new-tokens", "6", "--out", str(out)])
     assert code == 0
     rows = json.loads((out / "results.json").read_text())["rows"]
@@ -150,7 +158,7 @@ def test_mllm_suite_runs_the_offline_tasks_through_lmms_eval(llava_dir, tmp_path
                                                       "hallusion_bench_image")}  # no real dataset here
     assert all(r["lossless_mismatches"] == 0 for r in rows if r["method"] == "tree" and r["benchmark"] != "average")
     assert all(r["accuracy"] is not None for r in rows)  # lmms-eval's own process_results scored every answer
-    assert len(list((out / "images").glob("*.png"))) == 6  # the images the adapter read, kept with the results
+    assert len(list((out / "images").glob("*.png"))) == 12  # the images the adapter read, kept with the results
 
 
 def test_a_real_task_without_its_dataset_is_a_clear_error(tmp_path, capsys):
