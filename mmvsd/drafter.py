@@ -66,11 +66,6 @@ class PairMedia:
         """[B, Q] bool: the next token is a media token."""
         return self.span_ids >= 0
 
-    def num_spans(self) -> Tensor:
-        """[B] media spans per row (span ids count 0, 1, ... along each row)."""
-        return (self.span_ids.max(dim=1).values + 1).clamp(min=0) if self.span_ids.shape[1] else \
-            torch.zeros(self.span_ids.shape[0], dtype=torch.long, device=self.span_ids.device)
-
 
 @dataclass(frozen=True)
 class DraftInputs:
