@@ -196,7 +196,7 @@ def plot_results(rows: list[Row], methods: list[str], out_dir: Path) -> None:
 def _grouped_bars(plt, rows: list[Row], methods: list[str], metric: str, label: str, path: Path) -> None:
     benchmarks = list(dict.fromkeys(r.benchmark for r in rows))
     shown = [m for m in methods if any(r.method == m and getattr(r, metric) is not None for r in rows)]
-    figure, axis = plt.subplots(figsize=(max(6, 1.5 * len(benchmarks)), 4))
+    figure, axis = plt.subplots(figsize=(max(7, 1.6 * len(benchmarks) + 2), 4))
     width = 0.8 / max(1, len(shown))
     cell = {(r.method, r.benchmark): getattr(r, metric) for r in rows}
     for index, method in enumerate(shown):
@@ -205,7 +205,7 @@ def _grouped_bars(plt, rows: list[Row], methods: list[str], metric: str, label: 
     axis.set_xticks([i + width * (len(shown) - 1) / 2 for i in range(len(benchmarks))], benchmarks)
     axis.set(ylabel=label)
     if shown:
-        axis.legend()
+        axis.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
