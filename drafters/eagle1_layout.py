@@ -33,7 +33,15 @@ from mmvsd.drafters.eagle3_layout import EMBEDDINGS, REQUIRED_CONFIG, SUPPORTED_
 from mmvsd.drafters.msd import MSDDrafter
 from mmvsd.drafters.vispec import ViSpecDrafter
 from mmvsd.errors import UserError
-from mmvsd.layouts import CONFIG_FILE, Layout, identify_layout, read_config, read_tensors, register_layout
+from mmvsd.layouts import (
+    CONFIG_FILE,
+    Layout,
+    identify_layout,
+    load_checked_state,
+    read_config,
+    read_tensors,
+    register_layout,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -80,10 +88,7 @@ class Eagle1Layout(Layout):
         )
         drafter = self.drafter_class(config, target.input_embeddings, target.model.get_output_embeddings())
         check_shapes(state, drafter, path)
-        dtypes = {k: v.dtype for k, v in drafter.state_dict().items()}
-        drafter.load_state_dict({k: v.to(dtypes[k]) for k, v in state.items()})
-        drafter.check_target(target)
-        return drafter.to(device=target.device, dtype=target.dtype).eval()
+        return load_checked_state(drafter, state, target)
 
     def detect(self, config: dict, keys: set[str]) -> bool:
         required = {*EAGLE1_KEYS, *self.extra_keys}

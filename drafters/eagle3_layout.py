@@ -28,7 +28,15 @@ from torch import Tensor
 
 from mmvsd.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from mmvsd.errors import UserError
-from mmvsd.layouts import CONFIG_FILE, Layout, identify_layout, read_config, read_tensors, register_layout
+from mmvsd.layouts import (
+    CONFIG_FILE,
+    Layout,
+    identify_layout,
+    load_checked_state,
+    read_config,
+    read_tensors,
+    register_layout,
+)
 from mmvsd.target import default_aux_layer_ids
 
 logger = logging.getLogger(__name__)
@@ -71,10 +79,7 @@ class Eagle3Layout(Layout):
         drafter = Eagle3Drafter(config, target.input_embeddings)
         state = complete_state(state, config, target, path)
         check_state(state, drafter, path)
-        dtypes = {k: v.dtype for k, v in drafter.state_dict().items()}
-        drafter.load_state_dict({k: v.to(dtypes[k]) for k, v in state.items()})
-        drafter.check_target(target)
-        return drafter.to(device=target.device, dtype=target.dtype).eval()
+        return load_checked_state(drafter, state, target)
 
     def detect(self, config: dict, keys: set[str]) -> bool:
         keys = set(normalise_keys(dict.fromkeys(keys)))

@@ -142,17 +142,12 @@ class Drafter(nn.Module):
 
 def load_drafter(path: str | Path, target) -> Drafter:
     """Load a drafter directory (config.json + model.safetensors) for `target`."""
+    from mmvsd.layouts import read_config
+
     path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise UserError(f"drafter directory {path} has no config.json")
-    try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as err:
-        raise UserError(f"drafter config {config_file} is not valid JSON: {err}") from None
-    drafter_type = config.get("mmvsd_drafter_type")
+    drafter_type = read_config(path).get("mmvsd_drafter_type")
     if not drafter_type:
-        raise UserError(f"{config_file} does not name an mmvsd drafter type (key 'mmvsd_drafter_type')")
+        raise UserError(f"{path / 'config.json'} does not name an mmvsd drafter type (key 'mmvsd_drafter_type')")
     drafter = drafter_class(drafter_type).from_pretrained(path, target)
     drafter.check_target(target)
     return drafter
@@ -198,8 +193,10 @@ def read_drafter_config(path: str | Path, config_class: type, what: str):
     """The `config_class` dataclass from a drafter folder's config.json (unknown keys are ignored)."""
     from dataclasses import fields
 
+    from mmvsd.layouts import read_config
+
     path = Path(path)
-    raw = json.loads((path / "config.json").read_text())
+    raw = read_config(path)
     known = {f.name for f in fields(config_class)}
     try:
         return config_class(**{k: v for k, v in raw.items() if k in known})

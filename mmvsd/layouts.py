@@ -115,6 +115,14 @@ register_layout(HFLayout())
 
 # ---- reading checkpoint folders (shared by every layout) ----
 
+def load_checked_state(drafter: Drafter, state: dict[str, Tensor], target: Target) -> Drafter:
+    """Load an already checked state (cast to the drafter's dtypes) and hand the drafter over for `target`."""
+    dtypes = {k: v.dtype for k, v in drafter.state_dict().items()}
+    drafter.load_state_dict({k: v.to(dtypes[k]) for k, v in state.items()})
+    drafter.check_target(target)
+    return drafter.to(device=target.device, dtype=target.dtype).eval()
+
+
 def read_config(path: Path) -> dict:
     """config.json of the checkpoint folder `path` as a dict (UserError if absent or invalid)."""
     config_file = Path(path) / CONFIG_FILE
