@@ -86,6 +86,7 @@ class Eagle1Drafter(Drafter):
     config_class: ClassVar[type[Eagle1Config]] = Eagle1Config
     display_name: ClassVar[str] = "EAGLE-1"
     default_max_images: ClassVar[int | None] = None
+    reads_aux = False  # the final hidden states only
 
     def __init__(self, config: Eagle1Config, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
         super().__init__()

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+import torch
 from torch import Tensor
 
 from mmvsd.errors import UserError
@@ -60,6 +61,27 @@ class Expansion:
     def media_end(self) -> int:
         """Index just after the last media position (0: no media)."""
         return max((i + 1 for i, flag in enumerate(self.is_media) if flag), default=0)
+
+
+def padded_embeds(target, prompts: list[Prompt], ids: Tensor) -> Tensor | None:
+    """[B, T, H] the target's input embeddings of padded ids [B, T], with each prompt's media embeddings in
+    place; None when no prompt carries media (the target then embeds the ids itself)."""
+    if all(p.inputs_embeds is None for p in prompts):
+        return None
+    embeds = target.input_embeddings(ids)
+    for row, prompt in enumerate(prompts):
+        if prompt.inputs_embeds is not None:
+            embeds[row, : prompt.inputs_embeds.shape[0]] = prompt.inputs_embeds.to(embeds.device, embeds.dtype)
+    return embeds
+
+
+def span_ids(prompts: list[Prompt], width: int, device) -> Tensor:
+    """[B, width] long: the media span each prompt position belongs to (0, 1, ... per row), -1 for text."""
+    ids = torch.full((len(prompts), width), -1, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompts):
+        for index, span in enumerate(prompt.spans):
+            ids[row, span.start : span.start + span.length] = index
+    return ids
 
 
 class ModalityAdapter:

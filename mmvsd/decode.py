@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from mmvsd.adapter import Prompt
+from mmvsd.adapter import Prompt, padded_embeds, span_ids
 from mmvsd.drafter import Drafter, DraftInputs, PairMedia
 from mmvsd.errors import UserError
 from mmvsd.kv import sequence_block
@@ -74,17 +74,6 @@ def _pad_prompts(prompts: list[Prompt], device: torch.device) -> tuple[Tensor, T
     return ids, lens
 
 
-def _padded_embeds(target: Target, prompts: list[Prompt], ids: Tensor) -> Tensor | None:
-    """[B, P, H] input embeddings when some prompt carries media (token embeddings elsewhere), else None."""
-    if all(p.inputs_embeds is None for p in prompts):
-        return None
-    embeds = target.input_embeddings(ids)
-    for row, prompt in enumerate(prompts):
-        if prompt.inputs_embeds is not None:
-            embeds[row, : prompt.inputs_embeds.shape[0]] = prompt.inputs_embeds.to(embeds.device, embeds.dtype)
-    return embeds
-
-
 def _check_prompts(target: Target, prompts: list[Prompt], config: DecodeConfig, lookahead: int) -> None:
     if not prompts:
         raise UserError("no prompts to decode")
@@ -96,11 +85,7 @@ def _prompt_media(prompts: list[Prompt], embeds: Tensor | None) -> PairMedia | N
     """What the drafter's prefill pairs see of the prompts' media (None without media)."""
     if embeds is None:
         return None
-    span_ids = torch.full(embeds.shape[:2], -1, dtype=torch.long, device=embeds.device)
-    for row, prompt in enumerate(prompts):
-        for index, span in enumerate(prompt.spans):
-            span_ids[row, span.start : span.start + span.length] = index
-    return PairMedia.from_tokens(embeds, span_ids)
+    return PairMedia.from_tokens(embeds, span_ids(prompts, embeds.shape[1], embeds.device))
 
 
 def _prefill(target: Target, prompts: list[Prompt], need_aux: bool):
@@ -109,7 +94,7 @@ def _prefill(target: Target, prompts: list[Prompt], need_aux: bool):
     batch, width = ids.shape
     cache = target.new_cache(batch)
     depths, causal = sequence_block(batch, width, ids.device)
-    embeds = _padded_embeds(target, prompts, ids)
+    embeds = padded_embeds(target, prompts, ids)
     out = target.forward(cache, ids, depths, causal, need_aux=need_aux, logit_positions=(lens - 1)[:, None],
                          inputs_embeds=embeds)
     cache.keep(depths, lens)
@@ -188,7 +173,7 @@ def speculative_generate(
         drafter.check_media(len(prompt.spans))
     generator = torch.Generator().manual_seed(config.seed)
     tracker = _Tracker(prompts, target, config)
-    cache, ids, lens, out, media = _prefill(target, prompts, need_aux=True)
+    cache, ids, lens, out, media = _prefill(target, prompts, need_aux=drafter.reads_aux)
     roots = sample_next(out.logits[:, 0], config.temperature, generator)  # [B]
     rows = torch.arange(len(prompts), device=ids.device)
     next_ids = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
@@ -207,7 +192,7 @@ def speculative_generate(
             session.select_rows(live)
             roots = roots[live]
         tree = build_dynamic_tree(roots, session, config.tree)
-        out = target.forward(cache, tree.token_ids, tree.depths, tree.ancestor_mask())
+        out = target.forward(cache, tree.token_ids, tree.depths, tree.ancestor_mask(), need_aux=drafter.reads_aux)
         verdict = verify(tree, out.logits, config.temperature, generator)
         num_kept = verdict.num_accepted + 1  # root + accepted draft tokens
         cache.keep(verdict.path_nodes.clamp(min=0), num_kept)

@@ -82,6 +82,7 @@ class Drafter(nn.Module):
 
     drafter_type: ClassVar[str] = ""
     media_curriculum: ClassVar[bool] = False  # train text-only first, then more and more media samples
+    reads_aux: ClassVar[bool] = True  # whether `target_features` needs the auxiliary layers' hidden states
 
     @classmethod
     def from_target(cls, target, draft_vocab_size: int | None = None, seed: int = 0) -> Drafter:

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from mmvsd.adapter import ModalityAdapter, adapter_for, get_adapter
+from mmvsd.adapter import ModalityAdapter, Prompt, adapter_for, get_adapter, padded_embeds, span_ids
 from mmvsd.data.conversations import Conversation, Turn
 from mmvsd.data.render import RenderedExample, render_conversation
 from mmvsd.errors import UserError
@@ -76,13 +76,7 @@ def embed_batch(target: Target, adapter: ModalityAdapter, tokens: TokenBatch, ex
     if not any(getattr(ex, "media", ()) for ex in examples):
         return tokens
     ids = tokens.input_ids.to(target.device)
-    embeds = target.input_embeddings(ids).clone()  # [B, T, H]
-    span_ids = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
-    for row, example in enumerate(examples):
-        if not example.media:
-            continue
-        prompt = adapter.embed(target, list(example.input_ids), list(example.media))
-        embeds[row, : len(example.input_ids)] = prompt.inputs_embeds.to(embeds.dtype)
-        for index, span in enumerate(prompt.spans):
-            span_ids[row, span.start : span.start + span.length] = index
-    return replace(tokens.to(target.device), inputs_embeds=embeds, span_ids=span_ids)
+    prompts = [adapter.embed(target, list(ex.input_ids), list(ex.media)) if ex.media else Prompt(list(ex.input_ids))
+               for ex in examples]
+    embeds = padded_embeds(target, prompts, ids)  # [B, T, H]
+    return replace(tokens.to(target.device), inputs_embeds=embeds, span_ids=span_ids(prompts, ids.shape[1], ids.device))
