@@ -100,10 +100,11 @@ def suite_tasks() -> list[str]:
     return [real if available(real) else f"{real}_mini{LONG_SUFFIX}" for real in REAL_TASKS]
 
 
-def task_docs(name: str) -> list:
+@functools.cache
+def task_docs(name: str):
+    """The task's evaluation documents (a list or a datasets.Dataset: indexed by position, never copied)."""
     task = load_task(name)
-    docs = task.test_docs() if task.has_test_docs() else task.validation_docs()
-    return list(docs)
+    return task.test_docs() if task.has_test_docs() else task.validation_docs()
 
 
 def task_items(name: str, limit: int = 0) -> list:
@@ -112,9 +113,9 @@ def task_items(name: str, limit: int = 0) -> list:
 
     task = load_task(name)
     docs = task_docs(name)
-    docs = docs[:limit] if limit > 0 else docs
     items = []
-    for index, doc in enumerate(docs):
+    for index in range(min(limit, len(docs)) if limit > 0 else len(docs)):
+        doc = docs[index]
         text = str(task.doc_to_text(doc)).replace(IMAGE_MARKER, "").strip()
         images = tuple(image.convert("RGB") for image in task.doc_to_visual(doc) or [])
         items.append(BenchItem(name, str(index), (text,), {"doc_index": index}, images))
