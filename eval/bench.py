@@ -151,12 +151,10 @@ class MediaWriter:
         self.adapter = None
 
     def files(self, target: Target, item: BenchItem):
-        from mmvsd.adapter import adapter_for, get_adapter
+        from mmvsd.adapter import choose_adapter
 
         if self.adapter is None:
-            self.adapter = get_adapter(self.adapter_name) if self.adapter_name else adapter_for(target, "image")
-            if not self.adapter.accepts(target):
-                raise UserError(f"adapter {self.adapter.name!r} cannot feed target {target.name!r}")
+            self.adapter = choose_adapter(target, self.adapter_name, "image")
         paths = []
         for index, image in enumerate(item.images):
             path = self.folder / f"{item.benchmark}-{item.item_id}-{index}.png"

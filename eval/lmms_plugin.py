@@ -159,14 +159,9 @@ class MmvsdLmms(lmms):
     def image_adapter(self) -> ModalityAdapter:
         """The adapter that turns text + image files into prompts (chosen once, on first use)."""
         if self._image_adapter is None:
-            from mmvsd.adapter import adapter_for, get_adapter
+            from mmvsd.adapter import choose_adapter
 
-            chosen = get_adapter(self.adapter_name) if self.adapter_name else adapter_for(self.target, "image")
-            if chosen.modality != "image":
-                raise UserError(f"adapter {chosen.name!r} takes no images")
-            if not chosen.accepts(self.target):
-                raise UserError(f"adapter {chosen.name!r} cannot feed target {self.target.name!r}")
-            self._image_adapter = chosen
+            self._image_adapter = choose_adapter(self.target, self.adapter_name, "image")
         return self._image_adapter
 
     def encode(self, context: str, visuals: list) -> Prompt:

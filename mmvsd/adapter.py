@@ -178,3 +178,14 @@ def adapter_for(target, modality: str) -> ModalityAdapter:
         raise UserError(f"target {target.name!r} takes no {modality} input: no registered adapter "
                         f"({', '.join(sorted(ADAPTERS))}) feeds it {modality}s")
     raise UserError(f"no registered adapter feeds target {target.name!r}")
+
+
+def choose_adapter(target, name: str = "", modality: str = "image") -> ModalityAdapter:
+    """The adapter `name` (or the first registered one that takes `modality` files for `target`), checked
+    to take that modality (when one is asked for) and to fit the target."""
+    adapter = get_adapter(name) if name else adapter_for(target, modality)
+    if modality and adapter.modality != modality:
+        raise UserError(f"adapter {adapter.name!r} takes no {modality}s")
+    if not adapter.accepts(target):
+        raise UserError(f"adapter {adapter.name!r} cannot feed target {target.name!r}")
+    return adapter

@@ -154,15 +154,11 @@ def _encode_prompts(target, texts: list[str], args: argparse.Namespace) -> list:
     """Prompts through the chosen modality adapter (plain chat-template ids when there is no media)."""
     from pathlib import Path
 
-    from mmvsd.adapter import adapter_for, get_adapter
+    from mmvsd.adapter import choose_adapter
 
     if not args.image and not args.adapter:
         return [target.encode_prompt(t) for t in texts]
-    adapter = get_adapter(args.adapter) if args.adapter else adapter_for(target, "image" if args.image else "")
-    if args.image and adapter.modality != "image":
-        raise UserError(f"adapter {adapter.name!r} takes no images")
-    if not adapter.accepts(target):
-        raise UserError(f"adapter {adapter.name!r} cannot feed target {target.name!r}")
+    adapter = choose_adapter(target, args.adapter or "", "image" if args.image else "")
     return [adapter.encode(target, text, [Path(p) for p in args.image]) for text in texts]
 
 

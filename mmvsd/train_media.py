@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from mmvsd.adapter import ModalityAdapter, Prompt, adapter_for, get_adapter, padded_embeds, span_ids
+from mmvsd.adapter import ModalityAdapter, Prompt, choose_adapter, padded_embeds, span_ids
 from mmvsd.data.conversations import Conversation, Turn
 from mmvsd.data.render import RenderedExample, render_conversation
 from mmvsd.errors import UserError
@@ -26,10 +26,7 @@ MEDIA_MODALITY = "image"  # conversations carry images (Conversation.image)
 
 def media_adapter(target: Target, name: str = "") -> ModalityAdapter:
     """The adapter that feeds `target` the images of training conversations (`name`, or the first that can)."""
-    adapter = get_adapter(name) if name else adapter_for(target, MEDIA_MODALITY)
-    if adapter.modality != MEDIA_MODALITY or not adapter.accepts(target):
-        raise UserError(f"adapter {adapter.name!r} cannot feed images to target {target.name!r}")
-    return adapter
+    return choose_adapter(target, name, MEDIA_MODALITY)
 
 
 def with_placeholder(conv: Conversation, placeholder: str) -> Conversation:
