@@ -1,5 +1,7 @@
 """Does the image drive smol-llava's answers? Short factual questions on held-out generated images
-(validation split), answered by smol-llava with the image and by the same language model without it.
+(validation split), answered by smol-llava with the image and by the same model (its language model
+with the trained adapters merged) without it: the baseline knows the one-word answer format, so it
+scores what guessing from the question alone gives.
 
 Kinds: colour and shape (which shape is on a side) and count on shape scenes, chart value (the value
 of a named bar, point or slice), word (text on signs, plaques, jerseys and tags). Greedy decoding,
@@ -24,7 +26,7 @@ from tqdm.auto import tqdm
 
 from mmvsd.data.images import ImageItem, generate_item
 from mmvsd.lab.projector_training import user_text
-from mmvsd.lab.smol_llava import load_projector, new_smol_llava, projector, projector_dir
+from mmvsd.lab.smol_llava import install_projector, load_projector, new_smol_llava, projector_dir
 
 KINDS = ("colour", "shape", "count", "chart value", "word")
 NORMALISE = EvalAIAnswerProcessor()
@@ -83,7 +85,7 @@ def main() -> None:
     torch.set_grad_enabled(False)
     model, processor = new_smol_llava()
     folder = args.projector or projector_dir()
-    projector(model).load_state_dict(load_projector(folder, model.config.text_config.hidden_size))
+    install_projector(model, load_projector(folder, model.config.text_config.hidden_size))
     items = held_out_items(args.per_kind)
     rows, started = [], time.monotonic()
     for kind, item in tqdm(items, desc="questions"):

@@ -84,6 +84,8 @@ def _add_lab(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--max-steps", type=int, default=0, help="stop after N steps instead of at the time budget")
     b.add_argument("--num-images", type=_positive_int, default=2400, help="generated training images (default 2400)")
     b.add_argument("--align-steps", type=int, default=1500, help="steps of the first stage (per-patch word targets)")
+    b.add_argument("--lora-rank", type=int, default=8,
+                   help="rank of the language model's low-rank adapters trained in the second stage (0: projector only)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--output", help="projector folder (default: the mmvsd cache, which --target smol-llava uses)")
 
@@ -208,10 +210,10 @@ def run_lab(args: argparse.Namespace) -> None:
     from mmvsd.lab.projector_training import ProjectorTraining, build_projector
     from mmvsd.lab.smol_llava import built_projector_dir
 
-    if args.minutes <= 0 or args.max_steps < 0 or args.align_steps < 0:
-        raise UserError("--minutes must be > 0, --max-steps and --align-steps >= 0")
+    if args.minutes <= 0 or args.max_steps < 0 or args.align_steps < 0 or args.lora_rank < 0:
+        raise UserError("--minutes must be > 0, --max-steps, --align-steps and --lora-rank >= 0")
     settings = ProjectorTraining(minutes=args.minutes, max_steps=args.max_steps, num_images=args.num_images,
-                                 align_steps=args.align_steps, seed=args.seed)
+                                 align_steps=args.align_steps, lora_rank=args.lora_rank, seed=args.seed)
     output = Path(args.output) if args.output else built_projector_dir()
     build_projector(settings, output)
     print(f"smol-llava projector written to {output}"

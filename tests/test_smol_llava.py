@@ -15,11 +15,13 @@ from mmvsd.errors import UserError
 from mmvsd.lab import projector_training as training
 from mmvsd.lab import smol_llava
 from mmvsd.lab.efficientnet import pixel_values_from_image, smol_llava_config
+from mmvsd.lab.lora import add_lora, lora_state, merge_lora
 from mmvsd.lab.smol_llava import (
     IMAGE_TOKEN,
     PROJECTOR_MANIFEST,
     PROJECTOR_WEIGHTS,
     SHIPPED_PROJECTOR_DIR,
+    install_projector,
     load_projector,
     save_projector,
 )
@@ -40,6 +42,26 @@ def test_projector_round_trip_and_checksum(tmp_path):
     state = load_projector(tmp_path / "projector", hidden_size=32)
     for key, value in model.model.multi_modal_projector.state_dict().items():
         assert torch.equal(state[key], value)
+
+
+def test_projector_with_adapters_round_trips_into_the_merged_model(tmp_path):
+    """A projector trained with low-rank adapters: saving the factors, loading and installing them into a
+    fresh model gives the weights (and outputs) of the model the adapters were merged into after training."""
+    trained, fresh = tiny_llava(), tiny_llava()
+    wrappers = add_lora(trained.model.language_model, rank=2, alpha=4.0, seed=0)
+    for wrapper in wrappers:
+        torch.nn.init.normal_(wrapper.lora_b)
+    factors = lora_state(trained.model.language_model)
+    merge_lora(trained.model.language_model)
+    save_projector(trained, tmp_path / "projector", {}, factors)
+    install_projector(fresh, load_projector(tmp_path / "projector", hidden_size=32))
+    assert fresh.state_dict().keys() == trained.state_dict().keys()
+    for key, value in trained.state_dict().items():
+        assert torch.allclose(fresh.state_dict()[key], value, atol=1e-6), key
+    other = tiny_llava()
+    other.model.language_model.layers[0].self_attn.q_proj = torch.nn.Linear(32, 16, bias=False)
+    with pytest.raises(UserError, match="does not fit"):
+        install_projector(other, load_projector(tmp_path / "projector", hidden_size=32))
 
 
 def test_corrupt_or_mismatched_projector_is_refused(tmp_path):
@@ -96,6 +118,9 @@ def test_training_loss_equals_transformers_forward(fresh_smol_llava):
     image_token_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     with torch.no_grad():
         loss = training.batch_loss(model, features, examples, cache, image_token_id)
+        # with adapters training, the prefix is run every step (its cache changes with the weights)
+        assert training.batch_loss(model, features, examples, prefix_ids, image_token_id).item() == \
+            pytest.approx(loss.item(), rel=1e-5)
         total, count = 0.0, 0
         for example in examples:
             text = processor.apply_chat_template(training.chat_messages(example.turns)).removesuffix("\n")

@@ -1,11 +1,14 @@
-"""Training smol-llava's projector on the CPU: LLaVA-style alignment on generated image question-answer
-pairs and captions, with the vision tower and the language model frozen.
+"""Training smol-llava's projector on the CPU, with the vision tower frozen, in two stages: per-patch
+word targets on shape scenes (no language model in the loop), then LLaVA-style visual instruction
+tuning on generated image question-answer conversations and captions, where the projector and
+low-rank adapters on the frozen language model's linear layers learn together.
 
-Each example is one chat turn: the user sends an image and a short question (or asks for a brief
-description), the assistant answers; the loss is the cross-entropy of the answer tokens (and the
-closing ``<|im_end|>``). Only the projector gets gradients. Two costs are paid once instead of every
-step: the tower features of every image, and the KV cache of the system prompt that starts every
-example. Tower features [N, 49, 1280] are kept in float16.
+Each example is a conversation about one image: the user sends the image and a short question with
+the short-answer instruction (or asks for a brief description), the assistant answers, then more
+questions follow; the loss is the cross-entropy of the answer tokens (and each closing
+``<|im_end|>``). Two costs are paid once instead of every step: the tower features of every image,
+and (without adapters) the KV cache of the system prompt that starts every example. Tower features
+[N, 49, 1280] are kept in float16.
 
 Shapes: B batch, T tokens after the shared prompt prefix, P = 49 patch tokens, C = 1280, H hidden.
 """
@@ -29,6 +32,7 @@ from transformers import DynamicCache, LlavaForConditionalGeneration, LlavaProce
 from mmvsd.adapters.llava import patch_embeddings
 from mmvsd.data.image_families import SHAPE_COLORS, SHAPE_KINDS
 from mmvsd.data.images import FAMILIES, ImageItem, generate_items
+from mmvsd.lab.lora import add_lora, lora_state, merge_lora
 from mmvsd.lab.projector_questions import BACKGROUND_WORD, extra_questions, patch_targets, word_vectors
 from mmvsd.lab.smol_llava import IMAGE_TOKEN, new_smol_llava, projector, save_projector
 
@@ -48,11 +52,14 @@ class ProjectorTraining:
     warmup_steps: int = 10
     num_images: int = 2400  # generated training images, shared among families by family_weights
     caption_share: float = 0.1  # examples that ask for a brief description instead of questions
-    questions_per_image: int = 4  # question turns per example (the item's own, then extras from meta)
+    questions_per_image: int = 6  # question turns per example (the item's own, then extras from meta)
     align_steps: int = 1500  # first stage: per-patch word targets on shape scenes, no language model
+    lora_rank: int = 8  # > 0: low-rank adapters on the language model's linear layers train with the projector
+    lora_alpha: float = 16.0
+    lora_learning_rate: float = 2e-3
     seed: int = 0
     family_weights: dict[str, float] = field(default_factory=lambda: {
-        "vqav2": 0.4, "hallusion": 0.1, "chartqa": 0.25, "textvqa": 0.15, "ai2d": 0.05, "scienceqa": 0.05})
+        "vqav2": 0.55, "hallusion": 0.2, "chartqa": 0.1, "textvqa": 0.1, "ai2d": 0.025, "scienceqa": 0.025})
 
 
 @dataclass(frozen=True)
@@ -115,7 +122,7 @@ def example_turns(item: ImageItem, caption: bool, rng: random.Random, limit: int
     if caption:
         return ((CAPTION_REQUEST, item.description),)
     own = (user_text(item.question, item.options), assistant_text(item))
-    extras = [(user_text(q), a) for q, a in extra_questions(item, rng, limit - 1)]
+    extras = list(extra_questions(item, rng, limit - 1))  # the short-answer instruction was given once, above
     return (own, *extras)
 
 
@@ -169,8 +176,9 @@ def prefix_cache(model: LlavaForConditionalGeneration, prefix_ids: list[int]) ->
 
 
 def batch_loss(model: LlavaForConditionalGeneration, features: Tensor, examples: list[Example],
-               shared_cache: DynamicCache, image_token_id: int) -> Tensor:
-    """Mean answer-token cross-entropy of a batch (gradients reach only the projector)."""
+               shared_cache: DynamicCache | list[int], image_token_id: int) -> Tensor:
+    """Mean answer-token cross-entropy of a batch (gradients reach the projector and any adapters).
+    `shared_cache`: the prefix's KV cache, or the prefix ids when the language model trains (adapters)."""
     width = max(len(e.token_ids) for e in examples)
     token_ids = torch.zeros(len(examples), width, dtype=torch.long)  # [B, T], right-padded
     labels = torch.full((len(examples), width), -100)
@@ -182,7 +190,11 @@ def batch_loss(model: LlavaForConditionalGeneration, features: Tensor, examples:
     projected = projector(model)(features[[e.image_index for e in examples]].float())  # [B, P, H]
     is_image = token_ids == image_token_id
     embeds = embeds.masked_scatter(is_image[..., None], projected.to(embeds.dtype))
-    cache = copy.deepcopy(shared_cache)
+    if isinstance(shared_cache, DynamicCache):
+        cache = copy.deepcopy(shared_cache)
+    else:  # the prefix ids: the language model is training too, so its prefix cache is recomputed every step
+        cache = DynamicCache()
+        model.model.language_model(input_ids=torch.tensor([shared_cache]), past_key_values=cache, use_cache=True)
     cache.batch_repeat_interleave(len(examples))
     # right padding needs no mask: causal attention keeps pad tokens out of every real token's view
     hidden = model.model.language_model(inputs_embeds=embeds, past_key_values=cache, use_cache=True).last_hidden_state
@@ -224,8 +236,9 @@ def align_projector(model: LlavaForConditionalGeneration, processor: LlavaProces
 
 
 def train_projector(model: LlavaForConditionalGeneration, processor: LlavaProcessor,
-                    settings: ProjectorTraining) -> dict[str, Any]:
-    """Train the projector in place within the time budget; return a summary for the manifest."""
+                    settings: ProjectorTraining) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """Train the projector (and low-rank adapters, merged into the model at the end) in place within the time
+    budget; return a summary for the manifest and the adapters' factors (empty without adapters)."""
     started = time.monotonic()
     deadline = started + settings.minutes * 60
     torch.manual_seed(settings.seed)
@@ -238,7 +251,14 @@ def train_projector(model: LlavaForConditionalGeneration, processor: LlavaProces
     for parameter in projector(model).parameters():
         parameter.requires_grad_(True)
     align_loss = align_projector(model, processor, items, features, settings)
-    optimizer = torch.optim.AdamW(projector(model).parameters(), lr=settings.learning_rate, weight_decay=0.0)
+    groups = [{"params": list(projector(model).parameters()), "lr_scale": 1.0}]
+    if settings.lora_rank:
+        wrappers = add_lora(model.model.language_model, settings.lora_rank, settings.lora_alpha, settings.seed)
+        groups.append({"params": [p for w in wrappers for p in (w.lora_a, w.lora_b)],
+                       "lr_scale": settings.lora_learning_rate / settings.learning_rate})
+        shared_cache = prefix_ids
+    trainable = [p for group in groups for p in group["params"]]
+    optimizer = torch.optim.AdamW(groups, lr=settings.learning_rate, weight_decay=0.0)
     image_token_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     order = random.Random(settings.seed)
     train_start = time.monotonic()
@@ -247,11 +267,11 @@ def train_projector(model: LlavaForConditionalGeneration, processor: LlavaProces
     while progress < 1.0:
         batch = order.sample(examples, min(settings.batch_size, len(examples)))
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, progress, settings)
+            group["lr"] = learning_rate(step, progress, settings) * group["lr_scale"]
         loss = batch_loss(model, features, batch, shared_cache, image_token_id)
         optimizer.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(projector(model).parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
         optimizer.step()
         losses.append(loss.item())
         step += 1
@@ -262,16 +282,19 @@ def train_projector(model: LlavaForConditionalGeneration, processor: LlavaProces
         bar.update(1)
         bar.set_postfix(loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}")
     bar.close()
-    for parameter in projector(model).parameters():
+    for parameter in trainable:
         parameter.requires_grad_(False)
-    return {"settings": asdict(settings), "align_loss": round(align_loss, 4), "steps": step,
-            "examples_seen": step * settings.batch_size, "final_loss": sum(losses[-50:]) / max(1, len(losses[-50:])),
-            "minutes": round((time.monotonic() - started) / 60, 2)}
+    adapters = lora_state(model.model.language_model)
+    merge_lora(model.model.language_model)
+    summary = {"settings": asdict(settings), "align_loss": round(align_loss, 4), "steps": step,
+               "examples_seen": step * settings.batch_size, "final_loss": sum(losses[-50:]) / max(1, len(losses[-50:])),
+               "minutes": round((time.monotonic() - started) / 60, 2)}
+    return summary, adapters
 
 
 def build_projector(settings: ProjectorTraining, output: Path) -> Path:
     """`mmvsd lab build-target smol-llava`: assemble smol-llava, train its projector, write the projector files."""
     model, processor = new_smol_llava()
-    summary = train_projector(model, processor, settings)
-    save_projector(model, output, summary)
+    summary, adapters = train_projector(model, processor, settings)
+    save_projector(model, output, summary, adapters)
     return output

@@ -1,17 +1,18 @@
 """smol-llava: a real small LLaVA assembled from shipped weights, loadable as ``--target smol-llava``.
 
 Parts: EfficientNet-Lite0 ImageNet weights as the frozen vision tower (49 tokens of 1280 from the 7x7
-head map, see ``mmvsd.lab.efficientnet``), SmolLM2-135M-Instruct as the language model (unchanged),
-and a 2-layer MLP projector trained by ``mmvsd lab build-target smol-llava``. The result is a stock
+head map, see ``mmvsd.lab.efficientnet``), SmolLM2-135M-Instruct as the language model, and a 2-layer
+MLP projector trained by ``mmvsd lab build-target smol-llava`` together with rank-8 low-rank adapters on
+the language model's linear layers (merged into its weights when loaded). The result is a stock
 transformers ``LlavaForConditionalGeneration`` with a ``LlavaProcessor``, so the code path that serves
 LLaVA-1.5 serves smol-llava.
 
 Image token: SmolLM2's unused special token ``<empty_output>`` (id 16) stands for each image patch,
-so the language model, its vocabulary and its text-only outputs stay exactly SmolLM2's (a drafter
-trained for ``smollm2-135m`` shares the vocabulary).
+so the vocabulary stays exactly SmolLM2's (a drafter trained for ``smollm2-135m`` shares it); the
+adapters make the weights, and so text-only outputs, differ slightly from ``smollm2-135m``.
 
-Projector files: ``projector.safetensors`` plus ``projector.json`` (sha256 of the weights, shapes and
-how they were trained). The trained projector ships in the package (``mmvsd/lab/smol_llava/``); a
+Projector files: ``projector.safetensors`` (the projector, plus the adapters' factors under ``lora.``)
+and ``projector.json`` (sha256 of the weights, shapes and how they were trained). The trained projector ships in the package (``mmvsd/lab/smol_llava/``); a
 projector built locally goes to ``<mmvsd cache>/smol-llava/`` and takes precedence. Loading verifies
 the checksum and the shapes, then assembles the full model folder once in the cache, keyed by the
 projector's checksum.
@@ -47,6 +48,7 @@ from mmvsd.lab.efficientnet import (
     attach_efficientnet,
     smol_llava_config,
 )
+from mmvsd.lab.lora import LORA_PREFIX, apply_lora_state
 
 NAME = "smol-llava"
 TEXT_TARGET = "smollm2-135m"
@@ -139,9 +141,12 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def save_projector(model: LlavaForConditionalGeneration, folder: Path, training: dict[str, Any]) -> None:
-    """Write projector.safetensors + projector.json (checksum, shapes, training summary) atomically."""
+def save_projector(model: LlavaForConditionalGeneration, folder: Path, training: dict[str, Any],
+                   lora: dict[str, Tensor] | None = None) -> None:
+    """Write projector.safetensors (the projector, plus the language model's low-rank adapters when trained
+    with them) and projector.json (checksum, shapes, training summary) atomically."""
     state = {k: v.detach().contiguous().clone() for k, v in projector(model).state_dict().items()}
+    state.update(lora or {})
     with atomic_dir(folder) as tmp:
         save_file(state, str(tmp / PROJECTOR_WEIGHTS))
         manifest = {
@@ -194,10 +199,20 @@ def load_projector(folder: Path, hidden_size: int) -> dict[str, Tensor]:
         raise UserError(f"cannot read smol-llava projector {weights}: {err}") from None
     expected = {"linear_1.weight": [hidden_size, NUM_FEATURES], "linear_1.bias": [hidden_size],
                 "linear_2.weight": [hidden_size, hidden_size], "linear_2.bias": [hidden_size]}
-    shapes = {k: list(v.shape) for k, v in state.items()}
+    shapes = {k: list(v.shape) for k, v in state.items() if not k.startswith(LORA_PREFIX)}
     if shapes != expected:
         raise UserError(f"smol-llava projector {weights} does not fit this model: shapes {shapes}, need {expected}")
     return state
+
+
+def install_projector(model: LlavaForConditionalGeneration, state: dict[str, Tensor]) -> None:
+    """Load a verified projector state (from `load_projector`) into smol-llava: the projector's weights, and
+    its low-rank adapters, if any, merged into the language model's weights."""
+    projector(model).load_state_dict({k: v for k, v in state.items() if not k.startswith(LORA_PREFIX)}, strict=True)
+    try:
+        apply_lora_state(model.model.language_model, {k: v for k, v in state.items() if k.startswith(LORA_PREFIX)})
+    except ValueError as err:
+        raise UserError(f"smol-llava projector file does not fit this model: {err}") from None
 
 
 def smol_llava_folder() -> Path:
@@ -213,7 +228,7 @@ def smol_llava_folder() -> Path:
         return folder
     print(f"mmvsd: assembling {NAME} in {folder} (once)", flush=True)
     model, processor = new_smol_llava(text_folder)
-    projector(model).load_state_dict(state, strict=True)
+    install_projector(model, state)
     with atomic_dir(folder) as tmp:
         model.save_pretrained(tmp)
         processor.save_pretrained(tmp)
