@@ -13,9 +13,9 @@ adapters make the weights, and so text-only outputs, differ slightly from ``smol
 
 Projector files: ``projector.safetensors`` (the projector, plus the adapters' factors under ``lora.``)
 and ``projector.json`` (sha256 of the weights, shapes and how they were trained). The trained
-projector ships in the package (``mmvsd/lab/smol_llava/``); a projector built locally goes to ``<mmvsd cache>/smol-llava/`` and takes precedence. Loading verifies
-the checksum and the shapes, then assembles the full model folder once in the cache, keyed by the
-projector's checksum.
+projector ships in the package (``mmvsd/lab/smol_llava/``); a projector built locally goes to
+``<mmvsd cache>/smol-llava/`` and takes precedence. Loading verifies the checksum and the shapes,
+then assembles the full model folder once in the cache, keyed by the projector's checksum.
 """
 
 from __future__ import annotations
