@@ -245,7 +245,8 @@ def train_projector(model: LlavaForConditionalGeneration, processor: LlavaProces
     items = training_items(settings)
     prefix_ids, examples = make_examples(processor, items, settings)
     features = image_features(model, processor, items)
-    shared_cache = prefix_cache(model, prefix_ids)
+    # with adapters the prefix's cache changes every step, so batch_loss reruns the prefix ids instead
+    shared_cache = prefix_ids if settings.lora_rank else prefix_cache(model, prefix_ids)
     for parameter in model.parameters():
         parameter.requires_grad_(False)
     for parameter in projector(model).parameters():
@@ -256,7 +257,6 @@ def train_projector(model: LlavaForConditionalGeneration, processor: LlavaProces
         wrappers = add_lora(model.model.language_model, settings.lora_rank, settings.lora_alpha, settings.seed)
         groups.append({"params": [p for w in wrappers for p in (w.lora_a, w.lora_b)],
                        "lr_scale": settings.lora_learning_rate / settings.learning_rate})
-        shared_cache = prefix_ids
     trainable = [p for group in groups for p in group["params"]]
     optimizer = torch.optim.AdamW(groups, lr=settings.learning_rate, weight_decay=0.0)
     image_token_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
