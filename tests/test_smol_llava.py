@@ -14,7 +14,7 @@ from mmvsd.data.images import generate_item
 from mmvsd.errors import UserError
 from mmvsd.lab import projector_training as training
 from mmvsd.lab import smol_llava
-from mmvsd.lab.efficientnet import pixel_values_from_image, smol_llava_config
+from mmvsd.lab.efficientnet import NUM_FEATURES, pixel_values_from_image, smol_llava_config
 from mmvsd.lab.lora import add_lora, lora_state, merge_lora
 from mmvsd.lab.smol_llava import (
     IMAGE_TOKEN,
@@ -85,7 +85,7 @@ def test_corrupt_or_mismatched_projector_is_refused(tmp_path):
 
 def test_shipped_projector_passes_its_checksum():
     state = load_projector(SHIPPED_PROJECTOR_DIR, hidden_size=576)
-    assert state["linear_1.weight"].shape == (576, 1280)
+    assert state["linear_1.weight"].shape == (576, NUM_FEATURES)
     manifest = json.loads((SHIPPED_PROJECTOR_DIR / PROJECTOR_MANIFEST).read_text())
     assert manifest["training"]["minutes"] <= 30
 
@@ -188,3 +188,15 @@ def test_smol_llava_by_name_reads_colours_that_its_language_model_cannot_guess()
             right[mode] += reply.strip().lower().startswith(item.answer)
     assert len(items) == 12
     assert right["image"] >= 3 and right["image"] >= right["no image"] + 3, right
+
+
+def test_folded_standardisation_reads_raw_features():
+    """The projector trains on standardised features; folded, it gives the same outputs on raw ones."""
+    generator = torch.Generator().manual_seed(0)
+    raw = torch.randn(3, 5, 8, generator=generator) * torch.tensor([8.0, 6, 0.5, 1, 2, 3, 0.7, 1e-6]) + 4
+    standard, mean, scale = training.standardise(raw)
+    assert standard.float().flatten(0, 1).mean(0)[:7].abs().max() < 1e-2
+    layer = torch.nn.Linear(8, 4)
+    before = layer(standard.float())
+    training.fold_standardisation(layer, mean, scale)
+    torch.testing.assert_close(layer(raw), before, rtol=1e-3, atol=1e-2)

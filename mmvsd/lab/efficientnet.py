@@ -16,9 +16,15 @@ intermediates for EfficientNet are the five NCHW stage outputs (16 ... 320 chann
 the 1280-channel head map and none is token-shaped, so stock ``tf_efficientnet_lite0`` cannot work
 for any ``vision_feature_layer``. The smallest fix is the timm architecture registered here,
 ``mmvsd_efficientnet_lite0``: the same network and state-dict keys, whose ``forward_intermediates``
-returns each map as tokens and appends the head map, so ``vision_feature_layer=-1`` is the
-1280 x 7 x 7 map as 49 tokens. Importing this module registers it; a saved smol-llava folder loads
+returns each map as tokens, then the head map's tokens, then the patch tokens the projector reads
+(``vision_feature_layer=-1``). Importing this module registers it; a saved smol-llava folder loads
 with plain ``LlavaForConditionalGeneration.from_pretrained`` after that import.
+
+Patch tokens: one per cell of the 7 x 7 head map, the concatenation of that cell's 4 x 4 block of the
+stride-8 map (16 x 40 channels), its 2 x 2 block of the stride-16 map (4 x 112) and the head map's
+1280 channels: 2368 in all. The head map alone is ImageNet semantics at 32 px and loses colour and
+small print; a per-patch linear probe on held-out shape scenes reads a shape's colour / kind 70% /
+84% of the time from the head map, 96% / 99% from the two folded maps.
 
 Shapes: B batch, C channels, P patch tokens (h * w = 49 at 224 px), H text hidden size.
 """
@@ -63,7 +69,9 @@ TOWER_ARCHITECTURE = "mmvsd_efficientnet_lite0"  # timm name registered below
 IMAGE_SIZE = 224
 IMAGE_MEAN = (127 / 255,) * 3  # (x*255 - 127) / 128 == (x - 127/255) / (128/255)
 IMAGE_STD = (128 / 255,) * 3
-NUM_FEATURES = 1280  # channels of the head map, the tokens' width
+HEAD_FEATURES = 1280  # channels of the head map
+FOLDED_STAGES = ((2, 4), (3, 2))  # (stage index, fold): stride 8 as 4 x 4 blocks, stride 16 as 2 x 2 blocks
+NUM_FEATURES = 40 * 4 * 4 + 112 * 2 * 2 + HEAD_FEATURES  # 2368: the patch tokens' width
 NUM_PATCHES = 49  # 7 x 7 head map at 224 px
 
 STAGE_DEPTHS = (1, 2, 2, 3, 3, 4, 1)  # blocks per timm stage; lukemelas numbers them 0..15 flat
@@ -139,8 +147,14 @@ def feature_map_to_tokens(feature_map: torch.Tensor) -> torch.Tensor:
     return feature_map.flatten(2).transpose(1, 2)
 
 
+def patch_feature_map(stage_maps: list[torch.Tensor], head_map: torch.Tensor) -> torch.Tensor:
+    """[B, 2368, h, w] per head-map cell: its blocks of the stride-8 and stride-16 maps, then the head map."""
+    folded = [torch.nn.functional.pixel_unshuffle(stage_maps[stage], fold) for stage, fold in FOLDED_STAGES]
+    return torch.cat([*folded, head_map], dim=1)
+
+
 class EfficientNetTokens(EfficientNet):
-    """`tf_efficientnet_lite0` whose intermediates are token sequences ending with the 1280-channel head map.
+    """`tf_efficientnet_lite0` whose intermediates are token sequences ending with the multi-scale patch tokens.
 
     Only `forward_intermediates` differs (what transformers' TimmWrapperModel returns as
     `hidden_states`); parameters, keys, `forward`, `forward_features` and `forward_head` are timm's.
@@ -148,11 +162,14 @@ class EfficientNetTokens(EfficientNet):
 
     def forward_intermediates(self, x: torch.Tensor, indices=None, norm: bool = False, stop_early: bool = False,
                               output_fmt: str = "NCHW", intermediates_only: bool = False, extra_blocks: bool = False):
-        # x: [B, 3, h, w] -> (head map [B, 1280, h/32, w/32], [stage tokens..., head tokens [B, P, 1280]])
+        # x: [B, 3, h, w] -> (head map [B, 1280, h/32, w/32],
+        #                     [stage tokens..., head tokens [B, P, 1280], patch tokens [B, P, 2368]])
+        # `indices` is not honoured: every map is returned, since the patch tokens need two stage maps
         head_map, stage_maps = super().forward_intermediates(
-            x, indices=indices, norm=norm, stop_early=False, output_fmt=output_fmt, extra_blocks=extra_blocks
+            x, indices=None, norm=norm, stop_early=False, output_fmt=output_fmt, extra_blocks=extra_blocks
         )
-        tokens = [feature_map_to_tokens(m) for m in (*stage_maps, head_map)]
+        maps = (*stage_maps, head_map, patch_feature_map(stage_maps, head_map))
+        tokens = [feature_map_to_tokens(m) for m in maps]
         return tokens if intermediates_only else (head_map, tokens)
 
 
@@ -171,7 +188,7 @@ def mmvsd_efficientnet_lite0(pretrained: bool = False, **kwargs) -> EfficientNet
 
 
 def smol_llava_config(text_config: PreTrainedConfig, image_token_id: int) -> LlavaConfig:
-    """A LlavaConfig whose vision tower is EfficientNet-Lite0: 49 tokens of 1280 from the final 7x7 map."""
+    """A LlavaConfig whose vision tower is EfficientNet-Lite0: 49 multi-scale patch tokens of 2368."""
     if not 0 <= image_token_id < text_config.vocab_size:
         raise UserError(
             f"image_token_id {image_token_id} is outside the text vocabulary (size {text_config.vocab_size})"
@@ -186,7 +203,7 @@ def smol_llava_config(text_config: PreTrainedConfig, image_token_id: int) -> Lla
         text_config=text_config,
         image_token_id=image_token_id,
         image_seq_length=NUM_PATCHES,
-        vision_feature_layer=-1,  # the head map: EfficientNetTokens puts it last in hidden_states
+        vision_feature_layer=-1,  # the patch tokens: EfficientNetTokens puts them last in hidden_states
         vision_feature_select_strategy="full",  # no CLS token to drop
         projector_hidden_act="gelu",
     )

@@ -8,9 +8,12 @@ the short-answer instruction (or asks for a brief description), the assistant an
 questions follow; the loss is the cross-entropy of the answer tokens (and each closing
 ``<|im_end|>``). Two costs are paid once instead of every step: the tower features of every image,
 and (without adapters) the KV cache of the system prompt that starts every example. Tower features
-[N, 49, 1280] are kept in float16.
+[N, 49, 2368] are kept in float16, standardised per channel: their parts differ in scale by more than
+10x (stride-8 and stride-16 maps against the head map), so the projector trains on unit-scale inputs
+and the standardisation is folded into its first layer at the end (the saved projector reads raw
+tower features).
 
-Shapes: B batch, T tokens after the shared prompt prefix, P = 49 patch tokens, C = 1280, H hidden.
+Shapes: B batch, T tokens after the shared prompt prefix, P = 49 patch tokens, C = 2368, H hidden.
 """
 
 from __future__ import annotations
@@ -167,6 +170,22 @@ def image_features(model: LlavaForConditionalGeneration, processor: LlavaProcess
     return torch.cat(chunks)
 
 
+def standardise(features: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(features standardised per channel, mean [C], scale [C]); a near-constant channel keeps a floor scale."""
+    flat = features.float().flatten(0, 1)  # [N * P, C]
+    mean, scale = flat.mean(0), flat.std(0)
+    scale = scale.clamp_min(0.05 * float(scale.median()))
+    return ((features.float() - mean) / scale).half(), mean, scale
+
+
+@torch.no_grad()
+def fold_standardisation(layer: torch.nn.Linear, mean: Tensor, scale: Tensor) -> None:
+    """Make `layer` on raw inputs x equal what it was on (x - mean) / scale."""
+    weight = layer.weight / scale  # [out, C]
+    layer.bias -= weight @ mean
+    layer.weight.copy_(weight)
+
+
 @torch.no_grad()
 def prefix_cache(model: LlavaForConditionalGeneration, prefix_ids: list[int]) -> DynamicCache:
     """KV cache of the prompt prefix every example shares (system prompt and user header), batch 1."""
@@ -244,7 +263,7 @@ def train_projector(model: LlavaForConditionalGeneration, processor: LlavaProces
     torch.manual_seed(settings.seed)
     items = training_items(settings)
     prefix_ids, examples = make_examples(processor, items, settings)
-    features = image_features(model, processor, items)
+    features, feature_mean, feature_scale = standardise(image_features(model, processor, items))
     # with adapters the prefix's cache changes every step, so batch_loss reruns the prefix ids instead
     shared_cache = prefix_ids if settings.lora_rank else prefix_cache(model, prefix_ids)
     for parameter in model.parameters():
@@ -284,6 +303,7 @@ def train_projector(model: LlavaForConditionalGeneration, processor: LlavaProces
     bar.close()
     for parameter in trainable:
         parameter.requires_grad_(False)
+    fold_standardisation(projector(model).linear_1, feature_mean, feature_scale)
     adapters = lora_state(model.model.language_model)
     merge_lora(model.model.language_model)
     summary = {"settings": asdict(settings), "align_loss": round(align_loss, 4), "steps": step,
