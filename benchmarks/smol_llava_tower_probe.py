@@ -8,7 +8,7 @@ show a shape. Feature sets, each one 7 x 7 map of tokens:
 - head: the 1280-channel head map (smol-llava's tokens before they were multi-scale);
 - stride 16: the 112-channel stride-16 map, each 2 x 2 block folded into one token (448);
 - stride 8: the 40-channel stride-8 map, each 4 x 4 block folded into one token (640);
-- patch tokens: what smol-llava's projector reads, stride 8 + stride 16 + head (2368).
+- patch tokens: what smol-llava's projector reads, stride 8 + stride 16 + head + position code (2382).
 
     python benchmarks/smol_llava_tower_probe.py [--train-items 1500] [--steps 300]
 

@@ -83,7 +83,7 @@ def _add_lab(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--minutes", type=float, default=28.0, help="time budget of the whole build (default 28)")
     b.add_argument("--max-steps", type=int, default=0, help="stop after N steps instead of at the time budget")
     b.add_argument("--num-images", type=_positive_int, default=2400, help="generated training images (default 2400)")
-    b.add_argument("--align-steps", type=int, default=1500, help="steps of the first stage (per-patch word targets)")
+    b.add_argument("--align-steps", type=int, default=800, help="steps of the first stage (per-patch word targets)")
     b.add_argument("--lora-rank", type=int, default=8,
                    help="rank of the language model's low-rank adapters trained in the second stage (0: projector only)")
     b.add_argument("--seed", type=int, default=0)

@@ -93,8 +93,9 @@ def test_stock_timm_tower_has_no_token_shaped_head_layer():
 
 
 def expected_patch_tokens(imagenet_model, pixel_values: torch.Tensor) -> torch.Tensor:
-    """[1, 49, 2368] computed cell by cell from stock timm's maps: the 4 x 4 block of the stride-8 map,
-    the 2 x 2 block of the stride-16 map (each channel-major, then row, then column), the head map."""
+    """[1, 49, 2382] computed cell by cell from stock timm's maps: the 4 x 4 block of the stride-8 map,
+    the 2 x 2 block of the stride-16 map (each channel-major, then row, then column), the head map, then
+    the cell's row and column as one-hots."""
     _, stage_maps = imagenet_model.forward_intermediates(pixel_values)
     head = imagenet_model.forward_features(pixel_values)[0]  # [1280, 7, 7]
     stride8, stride16 = stage_maps[2][0], stage_maps[3][0]  # [40, 28, 28], [112, 14, 14]
@@ -102,7 +103,8 @@ def expected_patch_tokens(imagenet_model, pixel_values: torch.Tensor) -> torch.T
     for r in range(7):
         for c in range(7):
             rows.append(torch.cat([stride8[:, 4 * r:4 * r + 4, 4 * c:4 * c + 4].reshape(-1),
-                                   stride16[:, 2 * r:2 * r + 2, 2 * c:2 * c + 2].reshape(-1), head[:, r, c]]))
+                                   stride16[:, 2 * r:2 * r + 2, 2 * c:2 * c + 2].reshape(-1), head[:, r, c],
+                                   torch.eye(7)[r], torch.eye(7)[c]]))
     return torch.stack(rows)[None]
 
 
@@ -118,9 +120,9 @@ def test_llava_projector_reads_the_multi_scale_patch_tokens(tiny_llava, imagenet
     finally:
         hook.remove()
     with torch.no_grad():
-        expected = expected_patch_tokens(imagenet_model, pixel_values)  # [1, 49, 2368]
+        expected = expected_patch_tokens(imagenet_model, pixel_values)  # [1, 49, 2382]
         projected = tiny_llava.model.multi_modal_projector(expected)[0]  # [49, H]
-    assert seen["features"].shape == (1, 49, 2368)
+    assert seen["features"].shape == (1, 49, 2382)
     torch.testing.assert_close(seen["features"], expected, rtol=0, atol=1e-5)
     assert out.logits.shape == (1, 53, 256)
     torch.testing.assert_close(out.image_hidden_states, projected)  # [num_images*49, H]

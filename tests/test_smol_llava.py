@@ -10,12 +10,14 @@ import torch
 from transformers import AutoProcessor, LlamaConfig, LlavaForConditionalGeneration
 
 from mmvsd.cli import main
+from mmvsd.data.image_families import SHAPE_COLORS
 from mmvsd.data.images import generate_item
 from mmvsd.errors import UserError
 from mmvsd.lab import projector_training as training
 from mmvsd.lab import smol_llava
 from mmvsd.lab.efficientnet import NUM_FEATURES, pixel_values_from_image, smol_llava_config
 from mmvsd.lab.lora import add_lora, lora_state, merge_lora
+from mmvsd.lab.projector_questions import ALIGN_WORDS, BACKGROUND_WORD, SIDE_WORDS, patch_side, patch_words, word_vectors
 from mmvsd.lab.smol_llava import (
     IMAGE_TOKEN,
     PROJECTOR_MANIFEST,
@@ -200,3 +202,35 @@ def test_folded_standardisation_reads_raw_features():
     before = layer(standard.float())
     training.fold_standardisation(layer, mean, scale)
     torch.testing.assert_close(layer(raw), before, rtol=1e-3, atol=1e-2)
+
+
+@pytest.mark.smollm2
+def test_alignment_makes_shape_patches_read_as_their_colour_and_side_words(fresh_smol_llava):
+    """The first stage on real tower features of a few shape scenes: afterwards a patch that shows a shape is
+    nearer to its own colour word than to any other colour, and to its own side word than to the other."""
+    model, processor = fresh_smol_llava
+    settings = training.ProjectorTraining(num_images=40, family_weights={"vqav2": 1}, align_steps=120)
+    items = [item for item in training.training_items(settings) if "shapes" in item.meta]
+    features, _, _ = training.standardise(training.image_features(model, processor, items))
+    saved = {k: v.clone() for k, v in smol_llava.projector(model).state_dict().items()}
+    try:
+        training.align_projector(model, processor, items, features, settings)
+        with torch.no_grad():
+            projected = smol_llava.projector(model)(features.float())  # [N, 49, H]
+    finally:
+        smol_llava.projector(model).load_state_dict(saved)
+    vectors = word_vectors(model.get_input_embeddings().weight.detach(), processor.tokenizer, set(ALIGN_WORDS))
+    colours, sides = sorted(SHAPE_COLORS), list(SIDE_WORDS)
+    right = {"colour": [], "side": []}
+    for item, tokens in zip(items, projected):
+        for index, words in enumerate(patch_words(item.meta["shapes"])):
+            if words == (BACKGROUND_WORD,):
+                continue
+            nearest = max(colours, key=lambda w: float(torch.cosine_similarity(tokens[index], vectors[w], dim=0)))
+            right["colour"].append(nearest == words[0])
+            if patch_side(index):
+                nearest = max(sides, key=lambda w: float(torch.cosine_similarity(tokens[index], vectors[w], dim=0)))
+                right["side"].append(nearest == patch_side(index)[0])
+    assert len(right["colour"]) > 100 and len(right["side"]) > 50
+    assert sum(right["colour"]) / len(right["colour"]) > 0.8, right
+    assert sum(right["side"]) / len(right["side"]) > 0.8, right

@@ -21,10 +21,13 @@ returns each map as tokens, then the head map's tokens, then the patch tokens th
 with plain ``LlavaForConditionalGeneration.from_pretrained`` after that import.
 
 Patch tokens: one per cell of the 7 x 7 head map, the concatenation of that cell's 4 x 4 block of the
-stride-8 map (16 x 40 channels), its 2 x 2 block of the stride-16 map (4 x 112) and the head map's
-1280 channels: 2368 in all. The head map alone is ImageNet semantics at 32 px and loses colour and
-small print; a per-patch linear probe on held-out shape scenes reads a shape's colour / kind 70% /
-84% of the time from the head map, 96% / 99% from the two folded maps.
+stride-8 map (16 x 40 channels), its 2 x 2 block of the stride-16 map (4 x 112), the head map's 1280
+channels and a position code (one-hot row, one-hot column: 14): 2382 in all. Convolutional features say
+what a cell shows but not where the cell is; CLIP's patch tokens carry position embeddings, and the code
+plays that part here, so that "on the left" can be read from the tokens themselves. The head map alone
+is ImageNet semantics at 32 px and loses colour and small print; a per-patch linear probe on held-out
+shape scenes reads a shape's colour / kind 70% / 84% of the time from the head map, 96% / 99% from the
+two folded maps.
 
 Shapes: B batch, C channels, P patch tokens (h * w = 49 at 224 px), H text hidden size.
 """
@@ -71,8 +74,9 @@ IMAGE_MEAN = (127 / 255,) * 3  # (x*255 - 127) / 128 == (x - 127/255) / (128/255
 IMAGE_STD = (128 / 255,) * 3
 HEAD_FEATURES = 1280  # channels of the head map
 FOLDED_STAGES = ((2, 4), (3, 2))  # (stage index, fold): stride 8 as 4 x 4 blocks, stride 16 as 2 x 2 blocks
-NUM_FEATURES = 40 * 4 * 4 + 112 * 2 * 2 + HEAD_FEATURES  # 2368: the patch tokens' width
-NUM_PATCHES = 49  # 7 x 7 head map at 224 px
+GRID_SIDE = 7  # the head map is 7 x 7 at 224 px
+NUM_FEATURES = 40 * 4 * 4 + 112 * 2 * 2 + HEAD_FEATURES + 2 * GRID_SIDE  # 2382: the patch tokens' width
+NUM_PATCHES = GRID_SIDE * GRID_SIDE
 
 STAGE_DEPTHS = (1, 2, 2, 3, 3, 4, 1)  # blocks per timm stage; lukemelas numbers them 0..15 flat
 _TOP_KEYS = {"_conv_stem": "conv_stem", "_bn0": "bn1", "_conv_head": "conv_head", "_bn1": "bn2", "_fc": "classifier"}
@@ -147,10 +151,19 @@ def feature_map_to_tokens(feature_map: torch.Tensor) -> torch.Tensor:
     return feature_map.flatten(2).transpose(1, 2)
 
 
+def position_code(head_map: torch.Tensor) -> torch.Tensor:
+    """[B, h + w, h, w]: each cell's row one-hot, then its column one-hot (the cell's place in the image)."""
+    batch, _, height, width = head_map.shape
+    rows = torch.eye(height, dtype=head_map.dtype, device=head_map.device)[:, :, None].expand(height, height, width)
+    columns = torch.eye(width, dtype=head_map.dtype, device=head_map.device)[:, None, :].expand(width, height, width)
+    return torch.cat([rows, columns]).expand(batch, -1, -1, -1)
+
+
 def patch_feature_map(stage_maps: list[torch.Tensor], head_map: torch.Tensor) -> torch.Tensor:
-    """[B, 2368, h, w] per head-map cell: its blocks of the stride-8 and stride-16 maps, then the head map."""
+    """[B, 2382, h, w] per head-map cell: its blocks of the stride-8 and stride-16 maps, the head map, then
+    its position code."""
     folded = [torch.nn.functional.pixel_unshuffle(stage_maps[stage], fold) for stage, fold in FOLDED_STAGES]
-    return torch.cat([*folded, head_map], dim=1)
+    return torch.cat([*folded, head_map, position_code(head_map)], dim=1)
 
 
 class EfficientNetTokens(EfficientNet):
@@ -163,7 +176,7 @@ class EfficientNetTokens(EfficientNet):
     def forward_intermediates(self, x: torch.Tensor, indices=None, norm: bool = False, stop_early: bool = False,
                               output_fmt: str = "NCHW", intermediates_only: bool = False, extra_blocks: bool = False):
         # x: [B, 3, h, w] -> (head map [B, 1280, h/32, w/32],
-        #                     [stage tokens..., head tokens [B, P, 1280], patch tokens [B, P, 2368]])
+        #                     [stage tokens..., head tokens [B, P, 1280], patch tokens [B, P, 2382]])
         # `indices` is not honoured: every map is returned, since the patch tokens need two stage maps
         head_map, stage_maps = super().forward_intermediates(
             x, indices=None, norm=norm, stop_early=False, output_fmt=output_fmt, extra_blocks=extra_blocks
@@ -188,7 +201,7 @@ def mmvsd_efficientnet_lite0(pretrained: bool = False, **kwargs) -> EfficientNet
 
 
 def smol_llava_config(text_config: PreTrainedConfig, image_token_id: int) -> LlavaConfig:
-    """A LlavaConfig whose vision tower is EfficientNet-Lite0: 49 multi-scale patch tokens of 2368."""
+    """A LlavaConfig whose vision tower is EfficientNet-Lite0: 49 multi-scale patch tokens of 2382."""
     if not 0 <= image_token_id < text_config.vocab_size:
         raise UserError(
             f"image_token_id {image_token_id} is outside the text vocabulary (size {text_config.vocab_size})"

@@ -1,6 +1,7 @@
 """Training signal for smol-llava's projector, computed from the generator's drawing parameters:
 extra questions about the same image (more answers per language-model pass) and per-patch word
-targets for shape scenes (the projector's cheap first stage, no language model in the loop).
+targets for shape scenes (the projector's cheap first stage, no language model in the loop): a shape's
+colour, its kind and, away from the middle column, the side of the image it is on.
 
 Every question and answer here uses the generator's own phrasing and is computed from ``meta``.
 """
@@ -15,10 +16,13 @@ from torch import Tensor
 
 from mmvsd.data.image_charts import chart_answer, chart_question
 from mmvsd.data.image_families import CANVAS_SIZE, SHAPE_COLORS, SHAPE_KINDS, plural
+from mmvsd.data.image_text import text_answer, text_question
 from mmvsd.data.images import ImageItem
 
 PATCH_GRID = 7  # the tower's 7 x 7 head map over the whole (resized, uncropped) canvas
 BACKGROUND_WORD = "background"
+SIDE_WORDS = ("left", "right")
+ALIGN_WORDS = frozenset({*SHAPE_COLORS, *SHAPE_KINDS, *SIDE_WORDS, BACKGROUND_WORD})  # every word a target uses
 
 
 def shape_questions(shapes: list[dict], rng: random.Random) -> list[tuple[str, str]]:
@@ -36,7 +40,24 @@ def shape_questions(shapes: list[dict], rng: random.Random) -> list[tuple[str, s
     if absent:
         color, kind = rng.choice(absent)
         questions.append((f"Is there {_article(color)} {color} {kind} in the image?", "no"))
-    return questions
+    return questions + side_questions(shapes)
+
+
+def side_questions(shapes: list[dict]) -> list[tuple[str, str]]:
+    """Which shape is on the left and on the right, asked (as the generator does) only of two shapes of
+    different kinds on either side of the image's middle."""
+    if len(shapes) != 2 or shapes[0]["kind"] == shapes[1]["kind"]:
+        return []
+    left, right = sorted(shapes, key=lambda s: s["x"])
+    if not left["x"] < CANVAS_SIZE / 2 < right["x"]:
+        return []
+    return [("What shape is on the left?", left["kind"]), ("What shape is on the right?", right["kind"])]
+
+
+def text_questions(meta: dict) -> list[tuple[str, str]]:
+    """The scene's text and, where it shows one, the jersey's or the product's name."""
+    asks = ["text", "name"] if meta.get("name") else ["text"]
+    return [(text_question({**meta, "ask": ask}), text_answer({**meta, "ask": ask})) for ask in asks]
 
 
 def chart_questions(meta: dict) -> list[tuple[str, str]]:
@@ -52,6 +73,8 @@ def extra_questions(item: ImageItem, rng: random.Random, limit: int) -> list[tup
         pool = shape_questions(item.meta["shapes"], rng)
     elif item.family == "chartqa":
         pool = chart_questions(item.meta)
+    elif item.family == "textvqa":
+        pool = text_questions(item.meta)
     else:
         return []
     pool = [(q, a) for q, a in pool if q != item.question]
@@ -93,10 +116,19 @@ def word_vectors(embeddings: Tensor, tokenizer, words: set[str]) -> dict[str, Te
     return vectors
 
 
+def patch_side(index: int) -> tuple[str, ...]:
+    """The side word of a patch (row-major index): left of the middle column, right of it, or none."""
+    column = index % PATCH_GRID
+    middle = PATCH_GRID // 2
+    return () if column == middle else (SIDE_WORDS[0] if column < middle else SIDE_WORDS[1],)
+
+
 def patch_targets(shapes: list[dict], vectors: dict[str, Tensor], norm: float) -> Tensor:
-    """[49, H] target embeddings: the sum of a shape's colour and kind words (rescaled to `norm`)."""
+    """[49, H] target embeddings: the sum of a shape's colour, kind and side words (rescaled to `norm`)."""
     rows = []
-    for words in patch_words(shapes):
+    for index, words in enumerate(patch_words(shapes)):
+        if words != (BACKGROUND_WORD,):
+            words = words + patch_side(index)
         vector = torch.stack([vectors[w] for w in words]).sum(0)
         rows.append(vector * (norm / vector.norm()))
     return torch.stack(rows)

@@ -8,12 +8,12 @@ the short-answer instruction (or asks for a brief description), the assistant an
 questions follow; the loss is the cross-entropy of the answer tokens (and each closing
 ``<|im_end|>``). Two costs are paid once instead of every step: the tower features of every image,
 and (without adapters) the KV cache of the system prompt that starts every example. Tower features
-[N, 49, 2368] are kept in float16, standardised per channel: their parts differ in scale by more than
+[N, 49, 2382] are kept in float16, standardised per channel: their parts differ in scale by more than
 10x (stride-8 and stride-16 maps against the head map), so the projector trains on unit-scale inputs
 and the standardisation is folded into its first layer at the end (the saved projector reads raw
 tower features).
 
-Shapes: B batch, T tokens after the shared prompt prefix, P = 49 patch tokens, C = 2368, H hidden.
+Shapes: B batch, T tokens after the shared prompt prefix, P = 49 patch tokens, C = 2382, H hidden.
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, LlavaForConditionalGeneration, LlavaProcessor
 
 from mmvsd.adapters.llava import patch_embeddings
-from mmvsd.data.image_families import SHAPE_COLORS, SHAPE_KINDS
 from mmvsd.data.images import FAMILIES, ImageItem, generate_items
 from mmvsd.lab.lora import add_lora, lora_state, merge_lora
-from mmvsd.lab.projector_questions import BACKGROUND_WORD, extra_questions, patch_targets, word_vectors
+from mmvsd.lab.projector_questions import ALIGN_WORDS, BACKGROUND_WORD, extra_questions, patch_targets, word_vectors
 from mmvsd.lab.smol_llava import IMAGE_TOKEN, new_smol_llava, projector, save_projector
 
 SHORT_ANSWER = "Answer the question using a single word or phrase."
@@ -50,16 +49,16 @@ class ProjectorTraining:
 
     minutes: float = 28.0  # wall-clock budget for the whole build: data, features and both stages
     max_steps: int = 0  # stop after this many steps (0: when the time budget runs out)
-    batch_size: int = 16
+    batch_size: int = 6  # small: the budget buys few examples, so more optimiser steps of fewer each
     learning_rate: float = 2e-3
-    warmup_steps: int = 10
+    warmup_steps: int = 20
     num_images: int = 2400  # generated training images, shared among families by family_weights
     caption_share: float = 0.1  # examples that ask for a brief description instead of questions
     questions_per_image: int = 6  # question turns per example (the item's own, then extras from meta)
-    align_steps: int = 1500  # first stage: per-patch word targets on shape scenes, no language model
+    align_steps: int = 800  # first stage: per-patch word targets on shape scenes, no language model
     lora_rank: int = 8  # > 0: low-rank adapters on the language model's linear layers train with the projector
     lora_alpha: float = 16.0
-    lora_learning_rate: float = 2e-3
+    lora_learning_rate: float = 1e-3
     seed: int = 0
     family_weights: dict[str, float] = field(default_factory=lambda: {
         "vqav2": 0.55, "hallusion": 0.2, "chartqa": 0.1, "textvqa": 0.1, "ai2d": 0.025, "scienceqa": 0.025})
@@ -231,23 +230,27 @@ def learning_rate(step: int, progress: float, settings: ProjectorTraining) -> fl
 
 def align_projector(model: LlavaForConditionalGeneration, processor: LlavaProcessor, items: list[ImageItem],
                     features: Tensor, settings: ProjectorTraining) -> float:
-    """First stage: regress each shape-scene patch onto the embeddings of the words it shows
-    ("red" + "circle", or "background"); no language model in the loop, so thousands of images a minute."""
+    """First stage: regress shape-scene patches onto the embeddings of the words they show
+    ("red" + "circle" + "left", or "background"); no language model in the loop. Each step takes 1024 patches
+    that show a shape and 512 of the background (most patches are background, and all share one target)."""
     embeddings = model.get_input_embeddings().weight.detach()
-    words = set(SHAPE_COLORS) | set(SHAPE_KINDS) | {BACKGROUND_WORD}
-    vectors = word_vectors(embeddings, processor.tokenizer, words)
+    vectors = word_vectors(embeddings, processor.tokenizer, set(ALIGN_WORDS))
     norm = float(embeddings.norm(dim=-1).median())
     scenes = [i for i, item in enumerate(items) if "shapes" in item.meta]
     if not scenes or settings.align_steps == 0:
         return float("nan")
-    targets = torch.stack([patch_targets(items[i].meta["shapes"], vectors, norm) for i in scenes])  # [N, P, H]
+    targets = torch.cat([patch_targets(items[i].meta["shapes"], vectors, norm) for i in scenes])  # [N * P, H]
+    patches = features[scenes].flatten(0, 1)  # [N * P, C]
+    background = vectors[BACKGROUND_WORD] * (norm / vectors[BACKGROUND_WORD].norm())
+    is_background = torch.isclose(targets, background).all(-1)
+    pools = [(torch.nonzero(~is_background)[:, 0], 1024), (torch.nonzero(is_background)[:, 0], 512)]
     optimizer = torch.optim.AdamW(projector(model).parameters(), lr=settings.learning_rate, weight_decay=0.0)
     generator = torch.Generator().manual_seed(settings.seed)
     loss = torch.tensor(float("nan"))
     for _ in tqdm(range(settings.align_steps), desc="align projector", unit="step"):
-        pick = torch.randint(len(scenes), (64,), generator=generator)
-        projected = projector(model)(features[[scenes[i] for i in pick.tolist()]].float())  # [64, P, H]
-        loss = F.mse_loss(projected, targets[pick]) / norm**2 * projected.shape[-1]
+        rows = torch.cat([pool[torch.randint(len(pool), (size,), generator=generator)] for pool, size in pools])
+        projected = projector(model)(patches[rows].float())  # [1536, H]
+        loss = F.mse_loss(projected, targets[rows]) / norm**2 * projected.shape[-1]
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -1,11 +1,11 @@
 """smol-llava: a real small LLaVA assembled from shipped weights, loadable as ``--target smol-llava``.
 
 Parts: EfficientNet-Lite0 ImageNet weights as the frozen vision tower (49 multi-scale patch tokens of
-2368, one per cell of its 7x7 head map, see ``mmvsd.lab.efficientnet``), SmolLM2-135M-Instruct as the language model, and a 2-layer
-MLP projector trained by ``mmvsd lab build-target smol-llava`` together with rank-8 low-rank adapters on
-the language model's linear layers (merged into its weights when loaded). The result is a stock
-transformers ``LlavaForConditionalGeneration`` with a ``LlavaProcessor``, so the code path that serves
-LLaVA-1.5 serves smol-llava.
+2382, one per cell of its 7x7 head map, see ``mmvsd.lab.efficientnet``), SmolLM2-135M-Instruct as the
+language model, and a 2-layer MLP projector trained by ``mmvsd lab build-target smol-llava`` together
+with rank-8 low-rank adapters on the language model's linear layers (merged into its weights when
+loaded). The result is a stock transformers ``LlavaForConditionalGeneration`` with a ``LlavaProcessor``,
+so the code path that serves LLaVA-1.5 serves smol-llava.
 
 Image token: SmolLM2's unused special token ``<empty_output>`` (id 16) stands for each image patch,
 so the vocabulary stays exactly SmolLM2's (a drafter trained for ``smollm2-135m`` shares it); the
@@ -126,7 +126,7 @@ def new_smol_llava(text_folder: Path | None = None) -> tuple[LlavaForConditional
 
 
 def projector(model: LlavaForConditionalGeneration) -> nn.Module:
-    """The multimodal projector: [.., 2368] tower features -> [.., H] language-model embeddings."""
+    """The multimodal projector: [.., 2382] tower features -> [.., H] language-model embeddings."""
     return model.model.multi_modal_projector
 
 
