@@ -28,7 +28,7 @@ from torch import Tensor
 
 from mmvsd.data.image_families import SHAPE_COLORS, SHAPE_KINDS
 from mmvsd.data.images import ImageItem, generate_items
-from mmvsd.lab.efficientnet import FOLDED_STAGES, load_efficientnet_lite0, patch_feature_map
+from mmvsd.lab.efficientnet import FOLDED_STAGES, feature_map_to_tokens, load_efficientnet_lite0, patch_feature_map
 from mmvsd.lab.projector_questions import BACKGROUND_WORD, patch_words
 from mmvsd.lab.smol_llava import image_processor
 
@@ -48,7 +48,7 @@ def feature_sets(items: list[ImageItem]) -> dict[str, Tensor]:
         maps = {"head": head, "stride 16": F.pixel_unshuffle(stages[stride16], fold16),
                 "stride 8": F.pixel_unshuffle(stages[stride8], fold8), "patch tokens": patch_feature_map(stages, head)}
         for name, feature_map in maps.items():
-            parts.setdefault(name, []).append(feature_map.flatten(2).transpose(1, 2).flatten(0, 1))
+            parts.setdefault(name, []).append(feature_map_to_tokens(feature_map).flatten(0, 1))
     return {name: torch.cat(chunks) for name, chunks in parts.items()}
 
 
@@ -87,8 +87,8 @@ def main() -> None:
     train = [i for i in generate_items("vqav2", "train", args.train_items, 0) if "shapes" in i.meta]
     test = [i for i in generate_items("vqav2", "validation", args.test_items, 0) if "shapes" in i.meta]
     train_sets, test_sets = feature_sets(train), feature_sets(test)
-    labels = {"colour": (patch_labels(train)[0], patch_labels(test)[0]),
-              "kind": (patch_labels(train)[1], patch_labels(test)[1])}
+    (train_colour, train_kind), (test_colour, test_kind) = patch_labels(train), patch_labels(test)
+    labels = {"colour": (train_colour, test_colour), "kind": (train_kind, test_kind)}
     results = {}
     print(f"{'features':<14} {'width':>6} {'colour':>7} {'kind':>7}")
     for name in train_sets:

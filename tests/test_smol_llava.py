@@ -220,17 +220,18 @@ def test_alignment_makes_shape_patches_read_as_their_colour_and_side_words(fresh
     finally:
         smol_llava.projector(model).load_state_dict(saved)
     vectors = word_vectors(model.get_input_embeddings().weight.detach(), processor.tokenizer, set(ALIGN_WORDS))
-    colours, sides = sorted(SHAPE_COLORS), list(SIDE_WORDS)
+
+    def nearest(token: torch.Tensor, words) -> str:
+        return max(words, key=lambda w: float(torch.cosine_similarity(token, vectors[w], dim=0)))
+
     right = {"colour": [], "side": []}
     for item, tokens in zip(items, projected):
         for index, words in enumerate(patch_words(item.meta["shapes"])):
             if words == (BACKGROUND_WORD,):
                 continue
-            nearest = max(colours, key=lambda w: float(torch.cosine_similarity(tokens[index], vectors[w], dim=0)))
-            right["colour"].append(nearest == words[0])
+            right["colour"].append(nearest(tokens[index], SHAPE_COLORS) == words[0])
             if patch_side(index):
-                nearest = max(sides, key=lambda w: float(torch.cosine_similarity(tokens[index], vectors[w], dim=0)))
-                right["side"].append(nearest == patch_side(index)[0])
+                right["side"].append(nearest(tokens[index], SIDE_WORDS) == patch_side(index)[0])
     assert len(right["colour"]) > 100 and len(right["side"]) > 50
     assert sum(right["colour"]) / len(right["colour"]) > 0.8, right
     assert sum(right["side"]) / len(right["side"]) > 0.8, right

@@ -171,10 +171,10 @@ def image_features(model: LlavaForConditionalGeneration, processor: LlavaProcess
 
 def standardise(features: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(features standardised per channel, mean [C], scale [C]); a near-constant channel keeps a floor scale."""
-    flat = features.float().flatten(0, 1)  # [N * P, C]
-    mean, scale = flat.mean(0), flat.std(0)
+    values = features.float()  # [N, P, C]
+    mean, scale = values.flatten(0, 1).mean(0), values.flatten(0, 1).std(0)
     scale = scale.clamp_min(0.05 * float(scale.median()))
-    return ((features.float() - mean) / scale).half(), mean, scale
+    return ((values - mean) / scale).half(), mean, scale
 
 
 @torch.no_grad()
