@@ -26,7 +26,14 @@ from tqdm.auto import tqdm
 
 from mmvsd.data.images import ImageItem, generate_item
 from mmvsd.lab.projector_training import user_text
-from mmvsd.lab.smol_llava import install_projector, load_projector, new_smol_llava, projector_dir
+from mmvsd.lab.smol_llava import (
+    SHIPPED_PROJECTOR_DIR,
+    install_projector,
+    load_projector,
+    new_smol_llava,
+    projector_dir,
+    read_manifest,
+)
 
 KINDS = ("colour", "shape", "count", "chart value", "word")
 NORMALISE = EvalAIAnswerProcessor()
@@ -102,7 +109,8 @@ def main() -> None:
     for kind, s in summary.items():
         print(f"{kind:<12} {s['n']:>4} {s['image']:>7.1%} {s['no image']:>9.1%}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"projector": str(folder), "summary": summary, "minutes":
+    projector = {"sha256": read_manifest(folder)["sha256"], "shipped": folder == SHIPPED_PROJECTOR_DIR}
+    args.out.write_text(json.dumps({"projector": projector, "summary": summary, "minutes":
                                     round((time.monotonic() - started) / 60, 1), "rows": rows}, indent=1) + "\n")
     print(f"wrote {args.out}")
 

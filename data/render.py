@@ -89,8 +89,7 @@ def _render_chat_template(tokenizer: Any, turns: Sequence[Turn]) -> tuple[str, l
     for i, turn in enumerate(turns):
         if turn.role != "assistant":
             continue
-        prompt = _generation_prompt(tokenizer, turns[:i])
-        start = max(cursor, len(prompt)) if full.startswith(prompt) else cursor
+        start = max(cursor, _content_search_start(tokenizer, turns[:i], full))
         content_start, content_end = _find_content(full, turn.text, start)
         with_turn = _apply_template(tokenizer, turns[: i + 1], add_generation_prompt=False)
         turn_end = len(with_turn) if full.startswith(with_turn) else len(full)
@@ -100,12 +99,22 @@ def _render_chat_template(tokenizer: Any, turns: Sequence[Turn]) -> tuple[str, l
     return full, spans
 
 
-def _generation_prompt(tokenizer: Any, turns: Sequence[Turn]) -> str:
-    """Text the template renders before an assistant reply to `turns` ('' if it cannot say)."""
-    try:
-        return _apply_template(tokenizer, turns, add_generation_prompt=True)
-    except Exception:  # noqa: BLE001 - some templates reject an empty or assistant-first history
-        return ""
+def _content_search_start(tokenizer: Any, history: Sequence[Turn], full: str) -> int:
+    """Where an assistant reply to `history` can start in the rendered conversation: after the history's
+    generation prompt, else after the history itself. Never before it, so a short answer that also occurs
+    in a user turn cannot be masked there; a template that renders neither as a prefix is an error."""
+    if not history:
+        return 0
+    for add_generation_prompt in (True, False):
+        try:
+            prefix = _apply_template(tokenizer, history, add_generation_prompt=add_generation_prompt)
+        except Exception as err:  # noqa: BLE001 - jinja raises anything a template author wrote
+            raise UserError(f"the tokenizer's chat template fails on a conversation prefix ({type(err).__name__}: "
+                            f"{str(err)[:120]}), so the loss mask cannot be built") from None
+        if full.startswith(prefix):
+            return len(prefix)
+    raise UserError("the tokenizer's chat template renders a conversation's first turns differently from the "
+                    "whole conversation, so an assistant turn cannot be located safely for the loss mask")
 
 
 def _find_content(full: str, text: str, start: int) -> Span:

@@ -99,10 +99,11 @@ class Eagle1Drafter(Drafter):
     @classmethod
     def from_target(cls, target, draft_vocab_size: int | None = None, seed: int = 0) -> Eagle1Drafter:
         """A freshly initialised drafter for `target` (its draft vocabulary is always the target's)."""
-        torch.manual_seed(seed)
-        config = cls.config_class.from_target(target, max_images=cls.default_max_images)
-        drafter = cls(config, target.input_embeddings, target.model.get_output_embeddings())
-        drafter.reset_parameters()
+        with torch.random.fork_rng(devices=[]):  # a local stream: the caller's global RNG is left as it was
+            torch.manual_seed(seed)
+            config = cls.config_class.from_target(target, max_images=cls.default_max_images)
+            drafter = cls(config, target.input_embeddings, target.model.get_output_embeddings())
+            drafter.reset_parameters()
         return drafter.to(device=target.device, dtype=target.dtype)
 
     def reset_parameters(self) -> None:

@@ -182,9 +182,10 @@ class Eagle3Drafter(Drafter):
     @classmethod
     def from_target(cls, target, draft_vocab_size: int | None = 32000, seed: int = 0) -> Eagle3Drafter:
         """A freshly initialised drafter sized for `target` (draft vocab: its first ids until trained)."""
-        torch.manual_seed(seed)
-        drafter = cls(Eagle3Config.from_target(target, draft_vocab_size), target.input_embeddings)
-        drafter.apply(_init_weights)
+        with torch.random.fork_rng(devices=[]):  # a local stream: the caller's global RNG is left as it was
+            torch.manual_seed(seed)
+            drafter = cls(Eagle3Config.from_target(target, draft_vocab_size), target.input_embeddings)
+            drafter.apply(_init_weights)
         return drafter.to(device=target.device, dtype=target.dtype)
 
     def set_draft_vocab(self, target_ids: Tensor) -> None:
@@ -195,6 +196,17 @@ class Eagle3Drafter(Drafter):
         self.d2t.copy_(target_ids - torch.arange(target_ids.numel()))
         self.t2d.zero_()
         self.t2d[target_ids] = True
+
+    @torch.no_grad()
+    def init_from_target(self, target) -> None:
+        """Draft LM head = the target's LM-head rows of the draft vocabulary, final norm = the target's:
+        the drafter's output space starts as the target's own, so training spends no steps finding it."""
+        head = target.model.get_output_embeddings().weight
+        self.lm_head.weight.copy_(head[self.draft_vocab_target_ids().to(head.device)].to(self.lm_head.weight))
+        final_norm = getattr(target.model.get_decoder(), "norm", None)
+        weight = getattr(final_norm, "weight", None)
+        if weight is not None and weight.shape == self.norm.weight.shape:
+            self.norm.weight.copy_(weight.to(self.norm.weight))
 
     def forward(
         self, hidden: Tensor, token_ids: Tensor, positions: Tensor, attention_mask: Tensor, cache: RaggedCache | None,

@@ -1,13 +1,24 @@
 """The `eagle3` checkpoint layout: EAGLE-3 drafters as vLLM and SGLang load them (and as released).
 
 config.json: `architectures: ["LlamaForCausalLMEagle3"]`, Llama sizes of the one draft layer,
-`vocab_size` (the target's), `draft_vocab_size`, `target_hidden_size` and
-`eagle_config.eagle_aux_hidden_state_layer_ids`. Weights (no embeddings: they are the target's):
+`vocab_size` (the target's), `draft_vocab_size`, `target_hidden_size`,
+`eagle_config.eagle_aux_hidden_state_layer_ids`, and, written explicitly because readers' defaults differ,
+`norm_before_residual: false` (our residual is the hidden state BEFORE hidden_norm, as EAGLE-3's own
+code; vLLM 0.32 reads the key as false when absent here, but true when absent in the speculators format) and `max_position_embeddings` at least the target's
+(vLLM caps the context at the draft's). Weights (no embeddings: they are the target's):
     fc.weight [H, 3H]; midlayer.self_attn.{q,k,v}_proj.weight [*, 2H]; midlayer.self_attn.o_proj.weight;
     midlayer.mlp.{gate,up,down}_proj.weight; midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}
     .weight; norm.weight; lm_head.weight [Vd, H]; d2t [Vd] int64 offsets (draft id i is target id
     i + d2t[i]); t2d [V] bool (target id is in the draft vocabulary).
 Our `Eagle3Drafter` uses these very names and the same d2t/t2d meaning, so the key map is the identity.
+
+The `speculators` layout (PyPI `speculators` 0.9, whose `Eagle3DraftModel` loads it with
+`from_pretrained`): config.json with `speculators_model_type: "eagle3"`, `architectures:
+["Eagle3Speculator"]`, `transformer_layer_config` (a full one-layer Llama config), `draft_vocab_size`,
+`target_hidden_size`, `eagle_aux_hidden_state_layer_ids` (distinct ids: speculators refuses repeats),
+`norm_before_residual`, `speculators_config` (algorithm eagle3, a greedy proposal of 5 tokens,
+the verifier's folder and architectures); weights as above with `layers.0.*` for `midlayer.*`, plus the
+target's `embed_tokens.weight` so that the folder loads without the verifier's weights.
 
 Feature layer ids: ours index the target's HF `hidden_states` (id k = the input of decoder layer k),
 which is how vLLM reads `eagle_aux_hidden_state_layer_ids` and how SGLang reads them unless the first
@@ -61,9 +72,18 @@ class Eagle3Layout(Layout):
         "deepseek-ai/DeepSeek-R1-Distill-Llama-8B": "yuhuili/EAGLE3-DeepSeek-R1-Distill-LLaMA-8B",
     }
 
+    serving_note = "vLLM and SGLang serve only EAGLE-3-style drafters"
+
     def export(self, drafter: Eagle3Drafter, out_dir: Path) -> None:
         """config.json + model.safetensors as vLLM / SGLang read them."""
-        config = released_config(drafter.config, next(drafter.parameters()).dtype)
+        self.write(drafter, out_dir, drafter.config.max_position_embeddings)
+
+    def export_for(self, drafter: Eagle3Drafter, out_dir: Path, target) -> None:
+        """As `export`, with `max_position_embeddings` raised to the target's context window."""
+        self.write(drafter, out_dir, max(drafter.config.max_position_embeddings, target_positions(target)))
+
+    def write(self, drafter: Eagle3Drafter, out_dir: Path, max_positions: int) -> None:
+        config = released_config(drafter.config, next(drafter.parameters()).dtype, max_positions)
         tensors = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
         (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         save_file(tensors, str(out_dir / WEIGHTS), metadata={"format": "pt"})
@@ -71,9 +91,12 @@ class Eagle3Layout(Layout):
     def load(self, path: Path, target) -> Eagle3Drafter:
         """Read an EAGLE-3 folder (safetensors or pytorch_model.bin) for `target`; embeddings from the target."""
         path = Path(path)
-        raw = read_config(path)
+        return self.load_raw(path, read_config(path), target)
+
+    def load_raw(self, path: Path, raw: dict, target) -> Eagle3Drafter:
+        """Our drafter from an EAGLE-3 config dict (research layout keys) and the folder's weights."""
         state = normalise_keys(read_tensors(path))
-        if has_foreign_keys(set(state)) or not self.detect(raw, set(state)):
+        if has_foreign_keys(set(state)) or not Eagle3Layout.detect(self, raw, set(state)):
             raise UserError(f"{path} is not an EAGLE-3 checkpoint: it looks like {foreign_layout(raw, set(state))}")
         config = eagle3_config(raw, target, path)
         drafter = Eagle3Drafter(config, target.input_embeddings)
@@ -82,11 +105,19 @@ class Eagle3Layout(Layout):
         return load_checked_state(drafter, state, target)
 
     def detect(self, config: dict, keys: set[str]) -> bool:
+        if config.get("speculators_model_type"):
+            return False  # the speculators layout (below)
         keys = set(normalise_keys(dict.fromkeys(keys)))
         return "midlayer.hidden_norm.weight" in keys or ARCHITECTURE in (config.get("architectures") or [])
 
 
-def released_config(config: Eagle3Config, dtype: torch.dtype) -> dict:
+def target_positions(target) -> int:
+    """The target's context window (0 when it does not say)."""
+    positions = getattr(target, "max_positions", 0) or 0
+    return positions if positions < 1 << 30 else 0
+
+
+def released_config(config: Eagle3Config, dtype: torch.dtype, max_positions: int | None = None) -> dict:
     """The config.json vLLM / SGLang expect for an EAGLE-3 drafter with our `config`."""
     if config.aux_layer_ids and config.aux_layer_ids[0] == 1:
         raise UserError(f"feature layers {config.aux_layer_ids} start at 1, which SGLang reads as 'output of layer 1' "
@@ -106,12 +137,14 @@ def released_config(config: Eagle3Config, dtype: torch.dtype) -> dict:
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,  # transformers 4 style; 5 reads rope_parameters
         "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "max_position_embeddings": config.max_position_embeddings,
+        "max_position_embeddings": max(max_positions or 0, config.max_position_embeddings),
         "vocab_size": config.vocab_size,
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
         "tie_word_embeddings": False,
+        "norm_before_residual": False,  # residual = hidden before hidden_norm (see the module docstring)
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids), "use_aux_hidden_state": True},
+        "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
@@ -188,6 +221,8 @@ def check_supported(raw: dict, path: Path) -> None:
         problems.append(f"activation {raw['hidden_act']!r} (ours is silu)")
     if raw.get("attention_bias") or raw.get("mlp_bias"):
         problems.append("bias terms in the draft layer")
+    if raw.get("norm_before_residual"):
+        problems.append("norm_before_residual (ours keeps the hidden state before hidden_norm as the residual)")
     if rope_settings(raw).get("rope_type") not in SUPPORTED_ROPE:
         problems.append(f"rope scaling {rope_settings(raw)['rope_type']!r} (ours is plain rope)")
     if problems:
@@ -282,3 +317,99 @@ def check_state(state: dict[str, Tensor], drafter: Eagle3Drafter, path: Path) ->
 
 
 register_layout(Eagle3Layout())
+
+
+SPECULATORS_VERSION = "0.9.0"
+SPECULATORS_UNSUPPORTED = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
+
+class SpeculatorsLayout(Eagle3Layout):
+    """EAGLE-3 drafters in the `speculators` package's format (see the module docstring)."""
+
+    name = "speculators"
+    released: ClassVar[dict[str, str]] = {}
+    detect_first = True  # its weights also match the EAGLE-1 family's `layers.0.*` patterns
+
+    def export_for(self, drafter: Eagle3Drafter, out_dir: Path, target) -> None:
+        config = speculators_config(drafter.config, next(drafter.parameters()).dtype, target)
+        tensors = {speculators_key(k): v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
+        tensors[EMBEDDINGS] = drafter.embed_tokens.weight.detach().to("cpu", tensors["fc.weight"].dtype).contiguous()
+        (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        save_file(tensors, str(out_dir / WEIGHTS), metadata={"format": "pt"})
+
+    def export(self, drafter: Eagle3Drafter, out_dir: Path) -> None:
+        raise UserError("the speculators layout records the verifier (target): export with a target")
+
+    def load(self, path: Path, target) -> Eagle3Drafter:
+        path = Path(path)
+        raw = read_config(path)
+        layer = raw.get("transformer_layer_config") or {}
+        flags = [k for k in SPECULATORS_UNSUPPORTED if raw.get(k)]
+        if flags or layer.get("model_type", "llama") != "llama":
+            raise UserError(f"{path} is a speculators EAGLE-3 drafter our implementation does not support "
+                            f"({', '.join(flags) or 'a ' + str(layer.get('model_type')) + ' layer'})")
+        research = {**layer, "draft_vocab_size": raw.get("draft_vocab_size"),
+                    "target_hidden_size": raw.get("target_hidden_size"),
+                    "eagle_aux_hidden_state_layer_ids": raw.get("eagle_aux_hidden_state_layer_ids")}
+        return self.load_raw(path, {k: v for k, v in research.items() if v is not None}, target)
+
+    def detect(self, config: dict, keys: set[str]) -> bool:
+        return config.get("speculators_model_type") == "eagle3"
+
+
+def speculators_key(name: str) -> str:
+    return "layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name
+
+
+def speculators_config(config: Eagle3Config, dtype: torch.dtype, target) -> dict:
+    """config.json of the speculators package's Eagle3 format for our drafter and its target (verifier)."""
+    if len(set(config.aux_layer_ids)) != len(config.aux_layer_ids):
+        raise UserError(f"feature layers {config.aux_layer_ids} repeat a layer, which speculators refuses "
+                        f"(its target_layer_ids must be distinct); use --format eagle3 for vLLM / SGLang")
+    research = released_config(config, dtype, target_positions(target))
+    layer = {k: research[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                      "head_dim", "hidden_act", "attention_bias", "mlp_bias", "rms_norm_eps",
+                                      "rope_parameters", "max_position_embeddings", "vocab_size", "tie_word_embeddings")}
+    layer.update(model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=1)
+    verifier = verifier_folder(target)
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 5, "verifier_accept_k": 1,
+                                  "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": verifier_architectures(verifier)},
+        },
+        "transformer_layer_config": layer,
+        "draft_vocab_size": config.draft_vocab_size,
+        "target_hidden_size": config.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(config.aux_layer_ids),
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "torch_dtype": research["torch_dtype"],
+    }
+
+
+def verifier_folder(target) -> str:
+    """Where speculators finds the verifier's config: the target's HF folder (its name if none is known)."""
+    from mmvsd.targets import resolve_target_folder
+
+    try:
+        return str(resolve_target_folder(target.name).resolve())
+    except UserError:
+        return target.name
+
+
+def verifier_architectures(verifier: str) -> list[str]:
+    config_file = Path(verifier) / CONFIG_FILE
+    if config_file.is_file():
+        return list(json.loads(config_file.read_text()).get("architectures") or [])
+    return ["LlamaForCausalLM"]
+
+
+register_layout(SpeculatorsLayout())

@@ -5,15 +5,23 @@ Methods (`--methods`):
     hf         transformers `generate` (batch 1)
     pld        transformers prompt lookup decoding (`prompt_lookup_num_tokens=10`, batch 1)
     assisted   transformers assisted generation with `--assistant MODEL` (same tokenizer, batch 1)
-    tree       mmvsd tree speculative decoding, once per `--drafter`
+    tree       mmvsd tree speculative decoding, once per `--drafter` (rows `tree:<spec>`: `tree:random`,
+               `tree:<folder name>`)
 Multi-turn items (MT-Bench) ask turn k after each method's OWN answer to turn k-1, as EAGLE's
-evaluation does. At T=0 every tree output is checked against vanilla token for token on the fly.
+evaluation does. At T=0 EVERY method's output is checked against the own vanilla loop token for
+token, per prompt; the report flags a method with a mismatch and does not show its ratio as a
+speed-up. HF prompt lookup is refused on image prompts (transformers re-embeds `input_ids` there
+and never sees the image), with a note in the table. HF baselines run one prompt at a time: with
+`--batch-size` > 1 a batch-1 vanilla reference (`vanilla@b1`) runs too and is their SR denominator.
+Timing: each method's whole batch is timed; throughput = total new tokens / total batch wall time.
 Per-prompt records go to OUT/records.jsonl as they complete, so `--resume` continues a run.
 """
 
 from __future__ import annotations
 
 import json
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,13 +34,23 @@ from mmvsd.decode import DecodeConfig, SequenceResult, speculative_generate, van
 from mmvsd.drafter import drafter_from_spec
 from mmvsd.errors import UserError
 from mmvsd.eval.bench_config import BenchConfig
-from mmvsd.eval.suites import BenchItem, benchmark, is_multimodal, load_items, resolve_suite
+from mmvsd.eval.suites import (
+    BenchItem,
+    benchmark,
+    is_multimodal,
+    is_synthetic,
+    load_items,
+    resolve_suite,
+    synthetic_note,
+)
 from mmvsd.target import Target
-from mmvsd.tree import TreeShape
 
 RECORDS = "records.jsonl"
 PLD_TOKENS = 10
 WARMUP_TOKENS = 16
+BATCH_ONE_VANILLA = "vanilla@b1"
+PLD_MEDIA_NOTE = ("refused on image prompts: transformers' prompt lookup re-embeds input_ids and drops the "
+                  "image embeddings, so it would answer without the image")
 
 
 @dataclass
@@ -41,11 +59,19 @@ class Method:
 
     name: str
     generate: Callable[[list[list[int]], DecodeConfig], list[SequenceResult]]
-    own_loop: bool  # counts target forwards (tau) and batches prompts
+    own_loop: bool  # counts target forwards (tau)
+    batch_one: bool = False  # decodes one prompt at a time (HF baselines, vanilla@b1)
+    media_refusal: str = ""  # non-empty: the method cannot take image prompts, and why
 
 
 def drafter_label(spec: str) -> str:
-    return "tree" if spec == "random" else f"tree:{Path(spec).name}"
+    """Row label of a drafter: `tree:<spec as given>`, a folder by its name (`tree:random`, `tree:fitted`)."""
+    return f"tree:{Path(spec).name}" if Path(spec).expanduser().is_dir() else f"tree:{spec}"
+
+
+def one_by_one(generate: Callable) -> Callable:
+    """A batch generate that decodes its prompts one at a time (batch size 1)."""
+    return lambda prompts, config: [generate(prompt, config) for prompt in prompts]
 
 
 def build_methods(config: BenchConfig, target: Target) -> list[Method]:
@@ -53,22 +79,36 @@ def build_methods(config: BenchConfig, target: Target) -> list[Method]:
     methods = []
     for name in config.methods:
         if name == "vanilla":
-            methods.append(Method("vanilla", lambda p, c: vanilla_generate(target, p, c), True))
+            methods.append(Method("vanilla", lambda p, c: vanilla_generate(target, p, c), True,
+                                  batch_one=config.batch_size == 1))
         elif name == "hf":
-            methods.append(Method("hf", lambda p, c: [hf_generate(target, ids, c) for ids in p], False))
+            methods.append(Method("hf", one_by_one(lambda ids, c: hf_generate(target, ids, c)), False, True))
         elif name == "pld":
-            methods.append(Method("pld", lambda p, c: [hf_generate(target, ids, c, PLD_TOKENS) for ids in p], False))
+            methods.append(Method("pld", one_by_one(lambda ids, c: hf_generate(target, ids, c, PLD_TOKENS)), False,
+                                  True, PLD_MEDIA_NOTE))
         elif name == "assisted":
             assistant = load_assistant(config.assistant, target)
-            methods.append(Method("assisted", lambda p, c, a=assistant: [hf_generate(target, ids, c, assistant_model=a)
-                                                                        for ids in p], False))
+            methods.append(Method("assisted", one_by_one(lambda ids, c, a=assistant: hf_generate(
+                target, ids, c, assistant_model=a)), False, True))
         else:
-            for spec in config.drafters:
-                drafter = drafter_from_spec(spec, target, config.seed)
-                if drafter is None:
-                    raise UserError("--drafter none: use --methods vanilla (or hf) for plain decoding")
-                methods.append(Method(drafter_label(spec),
-                                      lambda p, c, d=drafter: speculative_generate(target, d, p, c), True))
+            methods += tree_methods(config, target)
+    if config.batch_size > 1 and any(m.batch_one for m in methods):
+        methods.append(Method(BATCH_ONE_VANILLA, one_by_one(lambda ids, c: vanilla_generate(target, [ids], c)[0]),
+                              True, True))
+    labels = [m.name for m in methods]
+    if len(set(labels)) != len(labels):
+        raise UserError(f"two methods share a row label ({', '.join(labels)}): give drafter folders distinct names")
+    return methods
+
+
+def tree_methods(config: BenchConfig, target: Target) -> list[Method]:
+    """One tree-decoding method per `--drafter`."""
+    methods = []
+    for spec in config.drafters:
+        drafter = drafter_from_spec(spec, target, config.seed)
+        if drafter is None:
+            raise UserError("--drafter none: use --methods vanilla (or hf) for plain decoding")
+        methods.append(Method(drafter_label(spec), lambda p, c, d=drafter: speculative_generate(target, d, p, c), True))
     return methods
 
 
@@ -99,13 +139,19 @@ class Record:
     method: str
     temperature: float
     output_ids: list[list[int]] = field(default_factory=list)  # per turn
-    new_tokens: int = 0
-    wall_seconds: float = 0.0
+    new_tokens: int = 0  # kept tokens (after EOS and max-length truncation)
+    wall_seconds: float = 0.0  # this prompt's own decoding time (per row; at batch > 1 rows overlap)
+    batch_id: str = ""  # the batch this record was decoded in (same for its batch-mates)
+    batch_wall_seconds: float = 0.0  # wall time of that whole batch for this method (all turns)
+    batch_size: int = 1  # prompts decoded together
     target_forwards: int = 0  # own loops only (0: not counted)
-    accept_lengths: list[int] = field(default_factory=list)
+    accept_lengths: list[int] = field(default_factory=list)  # kept tokens per target forward
+    tree_sizes: list[int] = field(default_factory=list)  # nodes verified per step, where the decoder says
     answer: str = ""  # the last turn's text
     correct: float | None = None  # the benchmark's score of the answer (1/0 for exact checks), None: unscored
-    mismatch: dict | None = None  # T=0 lossless check failure: turn, position, target logit margin
+    mismatch: dict | None = None  # T=0 check against vanilla failed: turn, position, target logit margin
+    refused: str = ""  # non-empty: the method did not run on this item, and why
+    synthetic: bool = False  # the benchmark is an offline stand-in (synthetic images), not the real task
 
     def add(self, result: SequenceResult, own_loop: bool) -> None:
         self.output_ids.append(list(result.output_ids))
@@ -113,12 +159,23 @@ class Record:
         self.wall_seconds += result.wall_seconds
         if own_loop:
             self.target_forwards += result.num_target_forwards
-            self.accept_lengths += list(result.accept_lengths)
+            self.accept_lengths += kept_lengths(result.accept_lengths, len(result.output_ids))
+            self.tree_sizes += list(getattr(result, "tree_sizes", None) or [])
 
 
+def kept_lengths(accept_lengths: list[int], num_kept: int) -> list[int]:
+    """Tokens per target forward counting only tokens kept after EOS / max-length truncation, so the
+    histogram's mean is tau = kept tokens / target forwards (a no-op when the decoder already clips)."""
+    out, left = [], num_kept
+    for length in accept_lengths:
+        out.append(min(length, left))
+        left -= out[-1]
+    return out
 
-def decode_config(config: BenchConfig, temperature: float) -> DecodeConfig:
-    tree = TreeShape(config.tree_budget, config.tree_depth, config.tree_topk)
+
+def decode_config(config: BenchConfig, temperature: float, benchmark_name: str = "") -> DecodeConfig:
+    """Decoding settings; the tree shape is the paper's for the benchmark's kind unless the flags set it."""
+    tree = config.tree_shape(is_multimodal([benchmark_name]) if benchmark_name else False)
     return DecodeConfig(config.max_new_tokens, temperature=temperature, seed=config.seed, tree=tree)
 
 
@@ -166,7 +223,7 @@ class MediaWriter:
 
 
 def first_mismatch(target: Target, prompt, expected: list[int], got: list[int], turn: int) -> dict | None:
-    """Where a tree output first leaves the vanilla output, with the target's margin there (None: equal)."""
+    """Where a method's output first leaves the vanilla output, with the target's margin there (None: equal)."""
     if expected == got:
         return None
     position = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
@@ -175,12 +232,20 @@ def first_mismatch(target: Target, prompt, expected: list[int], got: list[int], 
             "got": got[position:position + 1], "logit_margin": margin}
 
 
+def has_media(prompt) -> bool:
+    return isinstance(prompt, Prompt) and prompt.inputs_embeds is not None
+
+
 def run_batch(target: Target, methods: list[Method], items: list[BenchItem], temperature: float,
               config: BenchConfig, media: MediaWriter | None = None) -> list[Record]:
-    """All methods on a batch of items of one benchmark, turn by turn, each on its own history."""
+    """All methods on a batch of items of one benchmark, turn by turn, each on its own history; at T=0
+    every method's output is compared with vanilla's."""
     media = media or MediaWriter(Path(config.out) / "images", config.adapter)
-    decode = decode_config(config, temperature)
-    records = {m.name: [Record(it.benchmark, it.item_id, m.name, temperature) for it in items] for m in methods}
+    decode = decode_config(config, temperature, items[0].benchmark)
+    batch_id = f"{temperature:g}:{items[0].benchmark}:{items[0].item_id}"
+    records = {m.name: [Record(it.benchmark, it.item_id, m.name, temperature, batch_id=batch_id,
+                               batch_size=1 if m.batch_one else len(items), synthetic=is_synthetic(it.benchmark))
+                        for it in items] for m in methods}
     histories = {m.name: [[] for _ in items] for m in methods}
     for turn in range(len(items[0].turns)):
         vanilla_outputs = None
@@ -189,15 +254,20 @@ def run_batch(target: Target, methods: list[Method], items: list[BenchItem], tem
             for row, item in enumerate(items):
                 histories[method.name][row].append({"role": "user", "content": item.turns[turn]})
                 prompts.append(make_prompt(target, histories[method.name][row], item, turn, media))
+            if method.media_refusal and any(has_media(p) for p in prompts):
+                for record in records[method.name]:
+                    record.refused = method.media_refusal
+                continue
+            start = time.perf_counter()
             results = method.generate(prompts, decode)
+            wall = time.perf_counter() - start
             for row, result in enumerate(results):
                 record = records[method.name][row]
                 record.add(result, method.own_loop)
+                record.batch_wall_seconds += wall
                 record.answer = target.decode(result.output_ids)
                 histories[method.name][row].append({"role": "assistant", "content": record.answer})
-                if method.name == "vanilla":
-                    continue
-                if temperature == 0 and method.own_loop and record.mismatch is None:
+                if temperature == 0 and method.name != "vanilla" and record.mismatch is None:
                     record.mismatch = first_mismatch(target, prompts[row], vanilla_outputs[row],
                                                      list(result.output_ids), turn)
             if method.name == "vanilla":
@@ -206,7 +276,9 @@ def run_batch(target: Target, methods: list[Method], items: list[BenchItem], tem
     all_records = [record for name in records for record in records[name]]
     if score is not None:
         for record, item in zip(all_records, items * len(methods)):
-            record.correct = float(score(record.answer, item.reference))
+            if not record.refused:
+                value = score(record.answer, item.reference)
+                record.correct = None if value is None else float(value)
     return all_records
 
 
@@ -251,9 +323,10 @@ def check_out_dir(out_dir: Path, config: BenchConfig, resume: bool) -> None:
 def warm_up(methods: list[Method], target: Target, item: BenchItem, config: BenchConfig, media: MediaWriter) -> None:
     """One short generation per method, so no method pays first-call costs inside the measurement."""
     prompt = make_prompt(target, [{"role": "user", "content": item.turns[0]}], item, 0, media)
-    decode = DecodeConfig(WARMUP_TOKENS, tree=decode_config(config, 0.0).tree)
+    decode = DecodeConfig(WARMUP_TOKENS, tree=decode_config(config, 0.0, item.benchmark).tree)
     for method in methods:
-        method.generate([prompt], decode)
+        if not (method.media_refusal and has_media(prompt)):
+            method.generate([prompt], decode)
 
 
 def run_bench(config: BenchConfig, target: Target | None = None, resume: bool = False,
@@ -267,6 +340,8 @@ def run_bench(config: BenchConfig, target: Target | None = None, resume: bool = 
     out_dir = Path(config.out)
     check_out_dir(out_dir, config, resume)
     names = resolve_suite(config.suite)
+    for note in filter(None, map(synthetic_note, names)):
+        print(f"mmvsd: note: {note}", file=sys.stderr)
     if target is None:
         from mmvsd.targets import load_target
 

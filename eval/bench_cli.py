@@ -39,9 +39,12 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=defaults.limit, help="items per benchmark (0: all)")
     p.add_argument("--batch-size", type=int, default=defaults.batch_size)
     p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
-    p.add_argument("--tree-budget", type=int, default=defaults.tree_budget)
-    p.add_argument("--tree-depth", type=int, default=defaults.tree_depth)
-    p.add_argument("--tree-topk", type=int, default=defaults.tree_topk)
+    p.add_argument("--tree-budget", type=int, default=None,
+                   help="draft tree nodes (default: 60, the paper's for text and image targets)")
+    p.add_argument("--tree-depth", type=int, default=None,
+                   help="draft tree depth (default: 7 on text benchmarks, 5 on image benchmarks, as the paper)")
+    p.add_argument("--tree-topk", type=int, default=None,
+                   help="children per node (default: 10 on text benchmarks, 8 on image benchmarks)")
     p.add_argument("--assistant", default="", help="draft model with the target's tokenizer, for --methods assisted")
     p.add_argument("--adapter", default="", help="modality adapter for image prompts (default: the first that fits)")
     p.add_argument("--seed", type=int, default=defaults.seed)
@@ -51,13 +54,14 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_bench_command(args: argparse.Namespace) -> None:
+    tree = (args.tree_budget, args.tree_depth, args.tree_topk)
+    if any(value is not None and value < 1 for value in tree):
+        raise UserError("--tree-budget, --tree-depth and --tree-topk must be >= 1")
     config = BenchConfig(suite=args.suite, target=args.target, drafters=args.drafter, methods=args.methods,
                          temperatures=args.temperature, limit=args.limit, batch_size=args.batch_size,
-                         max_new_tokens=args.max_new_tokens, tree_budget=args.tree_budget, tree_depth=args.tree_depth,
-                         tree_topk=args.tree_topk, assistant=args.assistant, adapter=args.adapter, seed=args.seed,
+                         max_new_tokens=args.max_new_tokens, tree_budget=tree[0] or 0, tree_depth=tree[1] or 0,
+                         tree_topk=tree[2] or 0, assistant=args.assistant, adapter=args.adapter, seed=args.seed,
                          out=args.out)
-    if min(config.tree_budget, config.tree_depth, config.tree_topk) < 1:
-        raise UserError("--tree-budget, --tree-depth and --tree-topk must be >= 1")
     from mmvsd.eval.bench import run_bench
 
     out = run_bench(config, resume=args.resume, progress=not args.no_progress)

@@ -9,7 +9,8 @@ model_args (lmms-eval's `key=value,key=value`; unknown keys are errors):
     drafter         a drafter folder, `none` (plain autoregressive decoding) or `random` (untrained EAGLE-3)
     temperature     default 0; max_new_tokens default 128. Both apply only where the task's generation
                     kwargs do not say; lmms-eval's `--gen_kwargs temperature=...` overrides the tasks.
-    tree_budget / tree_depth / tree_topk   the draft tree shape (60 / 7 / 10, as `mmvsd generate`)
+    tree_budget / tree_depth / tree_topk   the draft tree shape (the paper's: 60 / 5 / 8 for an image target,
+                    60 / 7 / 10 for a text-only one; each value given overrides its default)
     adapter         modality adapter for image prompts (default: the first registered one that fits)
     seed            sampling seed, the same for every request (results do not depend on request order)
     records         JSONL file rewritten after every batch of requests with one record per sample
@@ -19,8 +20,8 @@ Generation kwargs: `until` stop strings cut the decoded text (decoding itself st
 max_new_tokens); temperature 0 is greedy, and `do_sample` is ignored as in lmms-eval's llava_hf.
 top_p, top_k and beams are not supported: non-default values are ignored with one warning.
 
-Records: task, split, doc_id, tau (mean accepted tokens per target forward, bonus token counted:
-the mean of `SequenceResult.accept_lengths`, 1.0 for drafter=none), new_tokens, target_forwards,
+Records: task, split, doc_id, tau (`SequenceResult.tau`: kept new tokens / target forwards, bonus token
+counted, the definition `mmvsd bench` and `mmvsd generate` use; 1.0 for drafter=none), new_tokens, target_forwards,
 wall_seconds (decoding only, prompt encoding excluded). lmms-eval's samples log gets the prompt and
 generated token counts (before `until` cuts the text) of every answer.
 
@@ -32,7 +33,6 @@ so this module imports transformers-backed mmvsd modules only when a model is bu
 from __future__ import annotations
 
 import json
-import statistics
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -100,7 +100,7 @@ def sample_record(task: str, split: str, doc_id: int, result: SequenceResult) ->
         "task": task,
         "split": split,
         "doc_id": doc_id,
-        "tau": float(statistics.mean(result.accept_lengths)) if result.accept_lengths else 0.0,
+        "tau": float(result.tau),
         "new_tokens": len(result.output_ids),
         "target_forwards": result.num_target_forwards,
         "wall_seconds": result.wall_seconds,
@@ -116,9 +116,9 @@ class MmvsdLmms(lmms):
         drafter: str = "none",
         temperature: float = 0.0,
         max_new_tokens: int = 128,
-        tree_budget: int = 60,
-        tree_depth: int = 7,
-        tree_topk: int = 10,
+        tree_budget: int = 0,
+        tree_depth: int = 0,
+        tree_topk: int = 0,
         adapter: str = "",
         seed: int = 0,
         records: str = "",
@@ -142,13 +142,17 @@ class MmvsdLmms(lmms):
         from mmvsd.targets import load_target
         from mmvsd.tree import TreeShape
 
-        self.tree = TreeShape(int(tree_budget), int(tree_depth), int(tree_topk))
         self.temperature = float(temperature)
         self.max_new_tokens = int(max_new_tokens)
         self.seed = int(seed)
         self.records_path = Path(records) if records else None
         self.records: list[dict[str, Any]] = []
         self.target = load_target(str(target), dtype=DTYPES[dtype], device=device or "cpu")
+        from mmvsd.eval.bench_config import IMAGE_TREE, TEXT_TREE
+
+        default = IMAGE_TREE if self.target.processor is not None else TEXT_TREE
+        chosen = (int(tree_budget), int(tree_depth), int(tree_topk))
+        self.tree = TreeShape(*(value or fallback for value, fallback in zip(chosen, default)))
         self.drafter = drafter_from_spec(str(drafter), self.target, self.seed)
         self.adapter_name = str(adapter)
         self._image_adapter: ModalityAdapter | None = None

@@ -69,8 +69,10 @@ def load_task(name: str):
 
 
 def _dataset_on_disk(name: str) -> bool:
-    """Cheap first check: the task's dataset is a local file builder or folder, or in the HF hub cache."""
+    """Whether the task's dataset is here: a local file builder or folder, or in the HF hub cache. Only
+    'not cached' answers False; any other failure of the cache lookup is an error."""
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
     from mmvsd.layouts import hf_hub_cache
 
@@ -79,24 +81,26 @@ def _dataset_on_disk(name: str) -> bool:
         return True
     try:
         snapshot_download(path, repo_type="dataset", cache_dir=hf_hub_cache(), local_files_only=True)
-    except Exception:  # noqa: BLE001  not cached (huggingface_hub raises several types)
+    except LocalEntryNotFoundError:
         return False
+    except Exception as err:  # noqa: BLE001  a broken cache must not pass for 'absent'
+        raise UserError(f"the HF cache entry of {name}'s dataset {path!r} cannot be read ({type(err).__name__}: "
+                        f"{str(err)[:160]}); repair or delete it") from None
     return True
 
 
 def available(name: str) -> bool:
-    """Whether lmms-eval can load task `name` here, without the network."""
+    """Whether task `name`'s data is on this machine (False only when it is not cached); a dataset that is
+    cached but does not load is a UserError, never a silent fallback."""
     if not _dataset_on_disk(name):
         return False
-    try:
-        load_task(name)
-    except UserError:
-        return False
+    load_task(name)
     return True
 
 
 def suite_tasks() -> list[str]:
-    """The `mllm` suite: each real task if its data is here, else its offline long-answer mini task."""
+    """The `mllm` suite: each real task if its data is here, else its offline long-answer mini task
+    (synthetic: `mmvsd bench` says so on screen and in the table)."""
     return [real if available(real) else f"{real}_mini{LONG_SUFFIX}" for real in REAL_TASKS]
 
 
@@ -122,12 +126,42 @@ def task_items(name: str, limit: int = 0) -> list:
     return items
 
 
-def task_score(name: str, answer: str, reference: dict) -> float:
-    """The task's first metric for one answer, from lmms-eval's own process_results."""
+def filtered_answer(task, doc, answer: str):
+    """`answer` after the task's first filter pipeline (lmms-eval's `filter_list`, e.g. AI2D's option-letter
+    extraction; `take_first` when the task has none), in the shape lmms-eval hands to process_results."""
+    ensembles = getattr(task, "_filters", None) or []
+    if not ensembles:
+        return answer
+    responses = [[answer]]  # one instance, one response
+    for step in ensembles[0].filters:
+        responses = list(step.apply(responses, [doc]))
+    return responses[0]
+
+
+def metric_value(name: str, metric: str, value) -> float | None:
+    """One sample's score from a process_results value: a number, or None for a per-sample record (a dict
+    without a score field) that only the task's aggregation can score (e.g. HallusionBench's GPT judge).
+    Any other shape is an error: a silent 0 would pass for a measured accuracy."""
+    if isinstance(value, bool | int | float):
+        return float(value)
+    if isinstance(value, dict):
+        for key in ("score", "accuracy", "acc", "exact_match"):
+            if isinstance(value.get(key), bool | int | float):
+                return float(value[key])
+        return None
+    raise UserError(f"lmms-eval task {name!r} returned metric {metric!r} as {type(value).__name__} "
+                    f"({str(value)[:80]!r}); mmvsd bench scores numbers, or per-sample dicts left to the task's "
+                    f"aggregation")
+
+
+def task_score(name: str, answer: str, reference: dict) -> float | None:
+    """The task's first metric for one answer as lmms-eval computes it: filters, then process_results.
+    None: the task scores only in aggregate (the table shows no accuracy for it)."""
     task = load_task(name)
     doc = task_docs(name)[reference["doc_index"]]
-    metrics = task.process_results(doc, [answer])
-    first = next(iter(metrics.values()))
-    if isinstance(first, dict):  # some tasks return a per-sample record; its score field is the metric
-        first = first.get("score", first.get("accuracy", 0.0))
-    return float(first)
+    metrics = task.process_results(doc, [filtered_answer(task, doc, answer)])
+    if not isinstance(metrics, dict) or not metrics:
+        raise UserError(f"lmms-eval task {name!r}: process_results returned {type(metrics).__name__}, not a "
+                        f"dict of metrics")
+    metric, value = next(iter(metrics.items()))
+    return metric_value(name, metric, value)

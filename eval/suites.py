@@ -112,3 +112,19 @@ def load_items(name: str, limit: int = 0) -> list[BenchItem]:
 
 def is_multimodal(names: list[str]) -> bool:
     return any(name not in TEXT_BENCHMARKS for name in names)
+
+
+def is_synthetic(name: str) -> bool:
+    """Whether a benchmark is one of mmvsd's offline stand-ins (synthetic images), not the real task."""
+    from mmvsd.eval import mllm_suite
+
+    return name in mllm_suite.MINI_NAMES
+
+
+def synthetic_note(name: str) -> str:
+    """What to tell the user about a synthetic stand-in ('' for a real benchmark)."""
+    if not is_synthetic(name):
+        return ""
+    real = name.removesuffix("_long").removesuffix("_mini")
+    return (f"{name}: synthetic images and questions (mmvsd's offline stand-in for lmms-eval's {real}, whose "
+            f"dataset is not cached here); its numbers are not {real}'s")

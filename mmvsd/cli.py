@@ -19,25 +19,58 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def add_tree_arguments(p: argparse.ArgumentParser, default: str) -> None:
+    """`--tree auto|BUDGET/DEPTH/TOPK` and the older `--tree-budget/--tree-depth/--tree-topk` (a fixed shape;
+    unset parts take 60/7/10)."""
+    p.add_argument("--tree", help=f"draft tree shape: 'auto' (planned per step from this machine's measured costs "
+                                  f"and the drafter's acceptance) or BUDGET/DEPTH/TOPK, e.g. 60/7/10 (default {default})")
+    p.add_argument("--tree-budget", type=_positive_int, help="fixed shape: tree nodes per verification, root included")
+    p.add_argument("--tree-depth", type=_positive_int, help="fixed shape: maximum depth")
+    p.add_argument("--tree-topk", type=_positive_int, help="fixed shape: children per expanded node")
+    p.set_defaults(tree_default=default)
+
+
+def tree_from_args(args: argparse.Namespace):
+    """The TreeShape or "auto" the tree flags name (UserError on a malformed or contradictory one)."""
+    from mmvsd.tree import TreeShape
+
+    parts = (args.tree_budget, args.tree_depth, args.tree_topk)
+    if args.tree is not None and any(v is not None for v in parts):
+        raise UserError("--tree and --tree-budget/--tree-depth/--tree-topk are two ways to say one thing: give one")
+    if any(v is not None for v in parts):
+        default = TreeShape()
+        return TreeShape(*(v if v is not None else d for v, d in zip(parts, (default.budget, default.depth, default.topk))))
+    text = args.tree if args.tree is not None else args.tree_default
+    if text == "auto":
+        return "auto"
+    try:
+        return TreeShape.parse(text)
+    except ValueError as err:
+        raise UserError(f"--tree: {err}") from None
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="decode prompts with tree speculative decoding (or vanilla)")
     p.add_argument("--target", required=True, help="built-in name, local folder, .gguf file or HF id")
-    p.add_argument("--drafter", required=True,
-                   help="drafter folder, 'none' for vanilla decoding, or 'random' for an untrained EAGLE-3 drafter")
+    p.add_argument("--drafter",
+                   help="drafter folder, 'default' or a name from `mmvsd drafters list` (a shipped drafter; default: "
+                        "'default' when the target has one), 'none' for vanilla decoding, 'random' for an untrained "
+                        "EAGLE-3 drafter, or 'ngram' (options: ngram:max_n=4,min_n=1,num_continuations=4,max_len=8) "
+                        "for prompt lookup")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt (goes through the target's chat template)")
     source.add_argument("--prompt-file", help="JSONL file with a 'prompt' (or MT-Bench 'turns') field per line")
     p.add_argument("--max-new-tokens", type=_positive_int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--tree-budget", type=_positive_int, default=60, help="tree nodes per verification, root included")
-    p.add_argument("--tree-depth", type=_positive_int, default=7)
-    p.add_argument("--tree-topk", type=_positive_int, default=10)
+    add_tree_arguments(p, default="auto")
     p.add_argument("--batch-size", type=_positive_int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write per-prompt results (with token ids) to this file")
     p.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="an image shown before the prompt text (repeat for several)")
     p.add_argument("--adapter", help="modality adapter by name (default: the first registered one that fits)")
+    p.add_argument("--ngram", choices=("on", "off"),
+                   help="n-gram (prompt-lookup) branches in a neural drafter's trees (default on; 'off' disables)")
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -68,9 +101,49 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value")
 
 
+def _add_eval_drafter(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval-drafter", help="exact T=0 acceptance (tau) of a drafter on prompts, without a decode loop",
+                       description="Replays the target's greedy continuation of each prompt (generated once, cached) "
+                                   "with one target forward; tau equals `mmvsd generate`'s at T=0 with the same tree.")
+    p.add_argument("--target", required=True, help="built-in name, local folder, .gguf file or HF id")
+    p.add_argument("--drafter", help="as for generate (default: the target's shipped drafter)")
+    p.add_argument("--prompt-file", required=True,
+                   help="JSONL file ('prompt' or MT-Bench 'turns' per line) or a built-in benchmark: mt_bench, "
+                        "humaneval, gsm8k (first user turns)")
+    p.add_argument("--limit", type=int, default=0, help="first N prompts (0: all)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    add_tree_arguments(p, default="60/7/10")
+    p.add_argument("--ngram", choices=("on", "off"), help="n-gram branches in the trees, as for generate")
+    p.add_argument("--batch-size", type=_positive_int,
+                   help="prompts replayed together (default 8; 1 with n-gram branches, whose statistics a batch's "
+                        "rows share, so that tau is generate's at its default batch size 1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-cache", action="store_true", help="generate the greedy continuations again")
+    p.add_argument("--json", help="write the report (per-prompt tau, acceptance by depth, ties) to this file")
+
+
+def _add_drafters(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("drafters", help="drafters shipped with mmvsd")
+    p.add_argument("action", choices=["list"], help="list: targets, names, defaults and measured tau")
+
+
 def _add_adapters(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("adapters", help="modality adapters")
     p.add_argument("action", choices=["list"], help="list: show registered adapters and where they come from")
+
+
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("profile", help="measure (or show the cached) target and drafter costs on this machine",
+                       description="Time a verify step against the number of tree tokens and the drafter against "
+                                   "the frontier width; cached per machine, target, dtype and drafter.")
+    p.add_argument("--target", required=True, help="built-in name, local folder, .gguf file or HF id")
+    p.add_argument("--drafter", default="none",
+                   help="none (default), random, ngram, or a drafter folder (as `mmvsd generate --drafter`)")
+    p.add_argument("--ngram", choices=("on", "off"),
+                   help="as in `mmvsd generate`: profile the neural drafter with (default) or without n-gram branches")
+    p.add_argument("--batch-size", type=_positive_int, action="append", help="batch size to measure (repeatable)")
+    p.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
+    p.add_argument("--plot", metavar="OUT.png", help="write the cost curves to this PNG file")
 
 
 def _add_lab(sub: argparse._SubParsersAction) -> None:
@@ -98,8 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_prepare(sub)
     _add_lab(sub)
     _add_adapters(sub)
+    _add_eval_drafter(sub)
+    _add_drafters(sub)
     add_export_parser(sub)
     add_bench_parser(sub)
+    _add_profile(sub)
     return parser
 
 
@@ -108,10 +184,11 @@ def run_generate(args: argparse.Namespace) -> None:
     import torch
 
     from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate
-    from mmvsd.drafter import drafter_from_spec
+    from mmvsd.drafter import check_ngram_options, drafter_from_spec
     from mmvsd.prompts import read_prompt_file
+    from mmvsd.shape_policy import AcceptanceStats
+    from mmvsd.shipped import implicit_drafter_spec
     from mmvsd.targets import load_target
-    from mmvsd.tree import TreeShape
 
     texts = read_prompt_file(args.prompt_file) if args.prompt_file else [args.prompt]
     if any(not t.strip() for t in texts):
@@ -119,19 +196,22 @@ def run_generate(args: argparse.Namespace) -> None:
     missing = [path for path in args.image if not os.path.isfile(path)]
     if missing:
         raise UserError(f"image file not found: {missing[0]}")
-    config = DecodeConfig(args.max_new_tokens, args.temperature,
-                          TreeShape(args.tree_budget, args.tree_depth, args.tree_topk), args.seed)
+    config = DecodeConfig(args.max_new_tokens, args.temperature, tree_from_args(args), args.seed)
+    args.drafter = args.drafter or implicit_drafter_spec(args.target)
+    ngram = None if args.ngram is None else args.ngram == "on"
+    check_ngram_options(args.drafter, ngram)
     target = load_target(args.target)
-    drafter = drafter_from_spec(args.drafter, target, args.seed)
+    drafter = drafter_from_spec(args.drafter, target, args.seed, ngram=ngram)
     torch.manual_seed(args.seed)
     prompts = _encode_prompts(target, texts, args)
     records = []
+    stats = AcceptanceStats()  # what `--tree auto` learns of the drafter carries over from prompt to prompt
     for start in range(0, len(prompts), args.batch_size):
         chunk = prompts[start : start + args.batch_size]
         if drafter is None:
             results = vanilla_generate(target, chunk, config)
         else:
-            results = speculative_generate(target, drafter, chunk, config)
+            results = speculative_generate(target, drafter, chunk, config, stats=stats)
         for offset, result in enumerate(results):
             record = {
                 "prompt": texts[start + offset],
@@ -142,6 +222,7 @@ def run_generate(args: argparse.Namespace) -> None:
                 "tau": round(result.tau, 4),
                 "wall_seconds": round(result.wall_seconds, 4),
                 "tokens_per_second": round(result.tokens_per_second, 2),
+                "tree_sizes": size_histogram(result.tree_sizes),
             }
             records.append(record)
             _print_record(len(records), record)
@@ -150,6 +231,14 @@ def run_generate(args: argparse.Namespace) -> None:
 
         with atomic_file(args.json) as handle:
             json.dump({"target": args.target, "drafter": args.drafter, "results": records}, handle, indent=2)
+
+
+def size_histogram(tree_sizes: list[int]) -> dict[str, int]:
+    """{nodes verified per step: number of steps} (1 = a plain step), for the results JSON."""
+    counts: dict[str, int] = {}
+    for size in sorted(tree_sizes):
+        counts[str(size)] = counts.get(str(size), 0) + 1
+    return counts
 
 
 def _encode_prompts(target, texts: list[str], args: argparse.Namespace) -> list:
@@ -164,12 +253,73 @@ def _encode_prompts(target, texts: list[str], args: argparse.Namespace) -> list:
     return [adapter.encode(target, text, [Path(p) for p in args.image]) for text in texts]
 
 
+def run_eval_drafter(args: argparse.Namespace) -> None:
+    """`mmvsd eval-drafter`: greedy continuations (cached), then the replayed acceptance report."""
+    import time
+
+    from mmvsd import evaluate
+    from mmvsd.drafter import Drafter, drafter_from_spec
+    from mmvsd.shipped import implicit_drafter_spec
+    from mmvsd.targets import load_target
+
+    shape = tree_from_args(args)
+    if shape == "auto":
+        raise UserError("--tree auto: eval-drafter replays a fixed shape (BUDGET/DEPTH/TOPK); measure auto with generate")
+    texts = evaluate.load_eval_texts(args.prompt_file, args.limit)
+    spec = args.drafter or implicit_drafter_spec(args.target)
+    if spec == "none":
+        raise UserError("--drafter none drafts nothing: there is no acceptance to measure")
+    target = load_target(args.target)
+    drafter = drafter_from_spec(spec, target, args.seed, ngram=None if args.ngram is None else args.ngram == "on")
+    prompts = [target.encode_prompt(text) for text in texts]
+    evaluate.check_eval_prompts(target, prompts, args.max_new_tokens, shape)
+    start = time.perf_counter()
+    make = evaluate.greedy_continuations if args.no_cache else evaluate.cached_greedy_continuations
+    continuations = make(target, prompts, args.max_new_tokens, args.batch_size or 8)
+    print(f"greedy continuations: {len(prompts)} prompts, {time.perf_counter() - start:.1f} s", flush=True)
+    batch_size = args.batch_size or (8 if isinstance(drafter, Drafter) else 1)
+    report = evaluate.evaluate_acceptance(target, drafter, prompts, continuations, shape, batch_size, progress=True)
+    print(evaluate.format_report(report))
+    if args.json:
+        from mmvsd.files import atomic_file
+
+        with atomic_file(args.json) as handle:
+            json.dump({"target": args.target, "drafter": spec, "prompt_file": args.prompt_file, "limit": args.limit,
+                       "max_new_tokens": args.max_new_tokens, **report.to_dict()}, handle, indent=2)
+
+
+def run_drafters(args: argparse.Namespace) -> None:
+    """`mmvsd drafters list`."""
+    from mmvsd.shipped import format_shipped
+
+    print(format_shipped())
+
+
 def run_adapters(args: argparse.Namespace) -> None:
     """`mmvsd adapters list`."""
     from mmvsd.adapter import registered_adapters
 
     for name, source in registered_adapters().items():
         print(f"{name:<16} {source}")
+
+
+def run_profile(args: argparse.Namespace) -> None:
+    """`mmvsd profile`: load (measuring once) the cost table, print it, optionally plot it."""
+    from mmvsd.costs import cost_key, cost_table_path, format_cost_table, load_cost_table, plot_cost_table
+    from mmvsd.drafter import drafter_from_spec
+    from mmvsd.targets import load_target
+
+    if args.plot and not args.plot.lower().endswith(".png"):
+        raise UserError(f"--plot must name a .png file, got {args.plot!r}")
+    batch_sizes = tuple(sorted(set(args.batch_size or [1])))
+    target = load_target(args.target)
+    drafter = drafter_from_spec(args.drafter, target, ngram=None if args.ngram is None else args.ngram == "on")
+    table = load_cost_table(target, drafter, batch_sizes, refresh=args.refresh)
+    print(format_cost_table(table))
+    print(f"profile cached in {cost_table_path(cost_key(target, drafter, batch_sizes, table.context))}")
+    if args.plot:
+        plot_cost_table(table, args.plot)
+        print(f"plot written to {args.plot}")
 
 
 def _print_record(number: int, record: dict) -> None:
@@ -221,7 +371,8 @@ def run_lab(args: argparse.Namespace) -> None:
 
 
 COMMANDS = {"generate": run_generate, "train": run_train, "prepare": run_prepare, "lab": run_lab,
-            "adapters": run_adapters, "export": run_export, "bench": run_bench_command}
+            "adapters": run_adapters, "export": run_export, "bench": run_bench_command, "profile": run_profile,
+            "eval-drafter": run_eval_drafter, "drafters": run_drafters}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,8 +17,9 @@ from mmvsd.drafter import Drafter, DraftInputs, PairMedia
 from mmvsd.errors import UserError
 from mmvsd.kv import sequence_block
 from mmvsd.target import Target
-from mmvsd.tree import TreeShape, build_dynamic_tree
-from mmvsd.verify import sample_next, verify
+from mmvsd.shape_policy import AcceptanceStats, AutoShape, SpeedGuard, StepCosts
+from mmvsd.tree import ShapePlan, TreeShape, build_dynamic_tree, root_only_tree
+from mmvsd.verify import row_generators, sample_next, verify
 
 
 @dataclass(frozen=True)
@@ -27,10 +28,12 @@ class DecodeConfig:
 
     max_new_tokens: int = 128
     temperature: float = 0.0
-    tree: TreeShape = TreeShape()
+    tree: TreeShape | str = TreeShape()  # a fixed shape, or "auto": planned per step from measured costs
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tree, TreeShape) and self.tree != "auto":
+            raise UserError(f"tree must be a TreeShape or 'auto', got {self.tree!r}")
         if self.max_new_tokens < 1:
             raise UserError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -45,6 +48,7 @@ class SequenceResult:
     output_ids: list[int] = field(default_factory=list)
     num_target_forwards: int = 0
     accept_lengths: list[int] = field(default_factory=list)  # tokens per target forward (bonus counted)
+    tree_sizes: list[int] = field(default_factory=list)  # nodes verified per step, root included (1: plain)
     wall_seconds: float = 0.0
     finished: bool = False
 
@@ -111,9 +115,10 @@ class _Tracker:
         self.max_new = config.max_new_tokens
         self.start = time.perf_counter()
 
-    def add(self, row: int, token_ids: list[int]) -> None:
+    def add(self, row: int, token_ids: list[int], num_nodes: int = 1) -> None:
         result = self.results[self.active[row]]
         result.num_target_forwards += 1
+        result.tree_sizes.append(num_nodes)
         room = self.max_new - len(result.output_ids)
         kept = token_ids[:room]
         for pos, token in enumerate(kept):
@@ -138,7 +143,7 @@ def vanilla_generate(target: Target, prompts: list[PromptLike], config: DecodeCo
     """Plain autoregressive decoding on the same target wrapper: the speed-up denominator."""
     prompts = as_prompts(prompts)
     _check_prompts(target, prompts, config, lookahead=1)
-    generator = torch.Generator().manual_seed(config.seed)
+    generator = row_generators([p.token_ids for p in prompts], config.seed)  # one per row
     tracker = _Tracker(prompts, target, config)
     cache, _, _, out, _ = _prefill(target, prompts, need_aux=False)
     next_ids = sample_next(out.logits[:, 0], config.temperature, generator)  # [B]
@@ -151,6 +156,7 @@ def vanilla_generate(target: Target, prompts: list[PromptLike], config: DecodeCo
         if rows.numel() < cache.batch_size:
             cache.select_rows(rows.to(cache.lens.device))
             next_ids = next_ids[rows.to(next_ids.device)]
+            generator = [generator[row] for row in rows.tolist()]
         batch = rows.numel()
         zeros = torch.zeros(batch, 1, dtype=torch.long, device=target.device)
         ones = torch.ones(batch, 1, 1, dtype=torch.bool, device=target.device)
@@ -164,14 +170,22 @@ def vanilla_generate(target: Target, prompts: list[PromptLike], config: DecodeCo
 
 @torch.no_grad()
 def speculative_generate(
-    target: Target, drafter: Drafter, prompts: list[PromptLike], config: DecodeConfig
+    target: Target, drafter: Drafter, prompts: list[PromptLike], config: DecodeConfig,
+    costs: StepCosts | None = None, stats: AcceptanceStats | None = None,
 ) -> list[SequenceResult]:
-    """Tree speculative decoding: draft a dynamic tree, verify it in one target forward, repeat."""
+    """Tree speculative decoding: draft a tree, verify it in one target forward, repeat.
+
+    With `config.tree == "auto"` the shape is planned per step from `costs` (measured and cached on
+    first use when None) and acceptance learnt while decoding (into `stats`, which callers pass again
+    to carry it from call to call), and a speed guard falls back to plain steps (the drafter idle, its
+    pairs queued) while speculation is measured to lose.
+    """
     prompts = as_prompts(prompts)
-    _check_prompts(target, prompts, config, lookahead=config.tree.depth + 1)
+    plan, guard = _shape_plan(target, drafter, config, len(prompts), costs, stats)
+    _check_prompts(target, prompts, config, lookahead=plan.depth + 1)
     for prompt in prompts:
         drafter.check_media(len(prompt.spans))
-    generator = torch.Generator().manual_seed(config.seed)
+    generator = row_generators([p.token_ids for p in prompts], config.seed)  # one per row
     tracker = _Tracker(prompts, target, config)
     cache, ids, lens, out, media = _prefill(target, prompts, need_aux=drafter.reads_aux)
     roots = sample_next(out.logits[:, 0], config.temperature, generator)  # [B]
@@ -180,6 +194,7 @@ def speculative_generate(
     next_ids[rows, lens - 1] = roots
     session = drafter.new_session(len(prompts))
     session.advance(DraftInputs(drafter.target_features(out.aux_hidden, out.last_hidden), next_ids, lens, media))
+    pending = PendingPairs()  # pairs committed by plain steps, not yet fed to the drafter
     for row, token in enumerate(roots.tolist()):
         tracker.add(row, [token])
     while True:
@@ -190,18 +205,72 @@ def speculative_generate(
             live = live.to(target.device)
             cache.select_rows(live)
             session.select_rows(live)
+            pending.select_rows(live)
             roots = roots[live]
-        tree = build_dynamic_tree(roots, session, config.tree)
+            generator = [generator[row] for row in live.tolist()]
+        start = time.perf_counter()
+        plain = guard is not None and guard.plain_step()
+        if plain:
+            tree = root_only_tree(roots)
+        else:
+            if pending:
+                session.advance(pending.take())
+            tree = build_dynamic_tree(roots, session, plan)
         out = target.forward(cache, tree.token_ids, tree.depths, tree.ancestor_mask(), need_aux=drafter.reads_aux)
         verdict = verify(tree, out.logits, config.temperature, generator)
         num_kept = verdict.num_accepted + 1  # root + accepted draft tokens
         cache.keep(verdict.path_nodes.clamp(min=0), num_kept)
         features = drafter.target_features(out.aux_hidden, out.last_hidden)
-        session.advance(_next_draft_inputs(tree.token_ids, features, verdict))
+        inputs = _next_draft_inputs(tree.token_ids, features, verdict)
+        if plain:
+            pending.add(inputs)
+        else:
+            session.advance(inputs)
+            plan.observe(tree, verdict)
         roots = verdict.bonus_ids
         for row, token_ids in enumerate(verdict.accepted_ids(tree)):
-            tracker.add(row, token_ids)
+            tracker.add(row, token_ids, tree.num_nodes)
+        if guard is not None:
+            guard.record(plain, int(num_kept.sum()), time.perf_counter() - start)
     return tracker.results
+
+
+def _shape_plan(target: Target, drafter: Drafter, config: DecodeConfig, batch: int, costs: StepCosts | None,
+                stats: AcceptanceStats | None) -> tuple[ShapePlan, SpeedGuard | None]:
+    """A fixed shape as given, or for "auto" the cost-aware plan and its speed guard."""
+    if isinstance(config.tree, TreeShape):
+        return config.tree, None
+    if costs is None:
+        from mmvsd.costs import load_cost_table
+
+        costs = load_cost_table(target, drafter, batch_sizes=(batch,))
+    plan = AutoShape(costs, stats if stats is not None else AcceptanceStats())
+    return plan, SpeedGuard(batch / costs.target_step(1, batch))
+
+
+class PendingPairs:
+    """Pairs committed by plain steps (one per live row each), fed to the drafter in one advance
+    when drafting resumes: the drafter costs nothing while the speed guard keeps it idle."""
+
+    def __init__(self) -> None:
+        self.items: list[DraftInputs] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def add(self, inputs: DraftInputs) -> None:
+        self.items.append(inputs)
+
+    def select_rows(self, rows: Tensor) -> None:
+        self.items = [DraftInputs(i.features[rows], i.next_ids[rows], i.num_new[rows]) for i in self.items]
+
+    def take(self) -> DraftInputs:
+        """All queued pairs as one DraftInputs ([B, n] with n = plain steps taken), and forget them."""
+        items, self.items = self.items, []
+        features = torch.cat([i.features for i in items], dim=1)
+        next_ids = torch.cat([i.next_ids for i in items], dim=1)
+        num_new = torch.stack([i.num_new for i in items]).sum(0)
+        return DraftInputs(features, next_ids, num_new)
 
 
 def _next_draft_inputs(tree_ids: Tensor, tree_features: Tensor, verdict) -> DraftInputs:

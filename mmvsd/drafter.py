@@ -93,6 +93,9 @@ class Drafter(nn.Module):
         """Use `target_ids` [Vd] (e.g. the most frequent training tokens) as the draft vocabulary."""
         raise NotImplementedError
 
+    def init_from_target(self, target) -> None:
+        """Copy what can start from the target's own weights (e.g. the LM head); default: nothing."""
+
     @property
     def draft_vocab_size(self) -> int:
         return int(self.draft_vocab_target_ids().numel())
@@ -167,13 +170,46 @@ def check_fits_target(target, hidden_size: int, vocab_size: int, made_for: str, 
         raise UserError(f"drafter does not fit target {target.name!r}{made_for}: " + "; ".join(problems))
 
 
-def drafter_from_spec(spec: str, target, seed: int = 0) -> Drafter | None:
+def drafter_from_spec(spec: str, target, seed: int = 0, ngram: bool | None = None):
+    """What `--drafter` names: the n-gram (prompt-lookup) proposer for `ngram` or `ngram:key=value,...`,
+    else `neural_drafter_from_spec`, with n-gram branches in its trees unless `ngram` is False (None: on).
+    Returns None (plain decoding), a `Drafter`, an `NgramDrafter` or a `HybridDrafter`."""
+    from mmvsd.ngram import NgramDrafter, parse_ngram_spec
+
+    check_ngram_options(spec, ngram)
+    if spec == "none" or spec.partition(":")[0] == "ngram":
+        return None if spec == "none" else NgramDrafter(parse_ngram_spec(spec))
+    drafter = neural_drafter_from_spec(spec, target, seed)
+    if ngram is False:
+        return drafter
+    from mmvsd.hybrid import with_ngram
+
+    return with_ngram(drafter)
+
+
+def check_ngram_options(spec: str, ngram: bool | None) -> None:
+    """UserError for n-gram settings that cannot apply to `--drafter spec` (cheap: call before loading)."""
+    from mmvsd.ngram import parse_ngram_spec
+
+    if ngram and (spec == "none" or spec.partition(":")[0] == "ngram"):
+        raise UserError(f"--ngram on adds n-gram branches to a neural drafter's trees, and --drafter {spec} "
+                        f"is not one (--drafter ngram drafts with n-grams alone; drop --ngram on)")
+    if spec.partition(":")[0] == "ngram":
+        parse_ngram_spec(spec)
+
+
+def neural_drafter_from_spec(spec: str, target, seed: int = 0) -> Drafter | None:
     """What `--drafter` names: None for `none` (plain decoding), an untrained EAGLE-3 drafter for
-    `random`, else the drafter folder `spec`."""
+    `random`, the target's shipped drafter for `default` or a shipped name (e.g. `eagle3-ce`: a spec
+    with no slash that is no folder here), else the drafter folder `spec`."""
     if spec == "none":
         return None
     if spec == "random":
         return drafter_class("eagle3").from_target(target, seed=seed).eval()
+    if spec == "default" or ("/" not in spec and not Path(spec).exists()):
+        from mmvsd.shipped import resolve_drafter
+
+        return load_drafter(resolve_drafter(spec, target.name), target)
     return load_drafter(spec, target)
 
 

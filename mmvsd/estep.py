@@ -10,8 +10,10 @@ log-probability of every token:
     corrections  S paths sampled from the target p_theta (the replacement of a rejected proposal;
                  prefix l of correction s replaces prefix l of proposal s)
     greedy       the target's greedy path z_bar (the oracle's reference, Alg. 2)
-Target paths are drawn from p_theta restricted to the draft vocabulary (renormalised): the drafter
+Corrections are drawn from p_theta restricted to the draft vocabulary (renormalised): the drafter
 cannot emit other tokens, so it could not learn from them; kappa still uses the full p_theta.
+z_bar is the argmax over the draft vocabulary by default, or over the full vocabulary
+(`greedy_full_vocab`); a z_bar token outside the draft vocabulary has q = 0, so its alpha is 1.
 
 Cost: the target's rollouts take L-1 forwards of A*(S+1) tokens per row; the proposals are scored
 by ONE packed forward over their distinct prefixes (a trie per anchor, tree-style mask over the
@@ -92,12 +94,14 @@ def _slot_mask(num_slots: int, num_blocks: int, device: torch.device) -> Tensor:
 @torch.no_grad()
 def target_rollouts(
     target: Target, cache: RaggedCache, batch: FeatureBatch, anchors: Tensor, in_draft_vocab: Tensor,
-    num_samples: int, path_length: int, generator: torch.Generator,
+    num_samples: int, path_length: int, generator: torch.Generator, greedy_full_vocab: bool = False,
 ) -> tuple[PathScores, PathScores]:
     """Sample S corrections and the greedy path z_bar from the target at every anchor.
 
     `cache` holds the target's KV of the whole batch (rows committed to their lengths); every new
     token sees the committed prefix up to its anchor's position t+1 and its own path.
+    Corrections are drawn from p_theta restricted to `in_draft_vocab`; z_bar is the argmax over
+    the same tokens, or over the whole vocabulary when `greedy_full_vocab`.
     Returns (corrections [B, A, S, L], greedy [B, A, 1, L]).
     """
     batch_size, num_anchors = anchors.shape
@@ -110,11 +114,12 @@ def target_rollouts(
         if depth == 0:  # every slot still shares the anchor's distribution: draw all S at once
             restricted = _restricted_logits(logits[:, :, 0], in_draft_vocab)  # [B, A, V]
             sampled = _sample(restricted, num_samples, generator)  # [B, A, S]
-            greedy = restricted.argmax(-1)[:, :, None]  # [B, A, 1]
+            greedy = (logits[:, :, 0] if greedy_full_vocab else restricted).argmax(-1)[:, :, None]  # [B, A, 1]
         else:
             restricted = _restricted_logits(logits, in_draft_vocab)  # [B, A, K, V]
             sampled = _sample(restricted[:, :, :num_samples], 1, generator)[..., 0]  # [B, A, S]
-            greedy = restricted[:, :, num_samples].argmax(-1)[:, :, None]  # [B, A, 1]
+            greedy_logits = logits if greedy_full_vocab else restricted
+            greedy = greedy_logits[:, :, num_samples].argmax(-1)[:, :, None]  # [B, A, 1]
         step_ids = torch.cat([sampled, greedy], dim=2)  # [B, A, K]
         token_ids.append(step_ids)
         token_logprobs.append(torch.log_softmax(logits.float(), -1).gather(-1, step_ids[..., None])[..., 0])
@@ -148,7 +153,8 @@ def draft_pass(
 ) -> DraftPass:
     """Sample S proposals per anchor from the drafter and score given paths, in one unrolled pass.
 
-    given_paths [B, A, S', L] target ids (corrections and greedy paths, all in the draft vocab);
+    given_paths [B, A, S', L] target ids (corrections and greedy paths); a token outside the draft
+    vocabulary gets log q = -inf (the drafter cannot emit it) and is still fed to the next step;
     target_to_draft [V] long maps target ids to draft ids (-1 outside the draft vocabulary).
     Every depth runs one drafter forward over A*(S+S') nodes per row; each node sees the committed
     sequence up to its anchor t and its own path, at position t+depth.
@@ -172,14 +178,16 @@ def draft_pass(
     for depth in range(path_length):
         logprobs = drafter.draft_logprobs(hidden)  # [B, A, K, Vd]
         drawn = _sample(logprobs[:, :, :num_samples].detach(), 1, generator)[..., 0]  # [B, A, S]
-        step_draft_ids = torch.cat([drawn, given_draft[..., depth]], dim=2)  # [B, A, K]
+        step_draft_ids = torch.cat([drawn, given_draft[..., depth].clamp(min=0)], dim=2)  # [B, A, K]
         step_lps = logprobs.gather(-1, step_draft_ids[..., None])[..., 0]
+        outside = given_draft[..., depth] < 0  # [B, A, S'] given tokens the drafter cannot emit
         proposals.append(drafter.draft_to_target(drawn))
         proposal_lps.append(step_lps[:, :, :num_samples])
-        given_lps.append(step_lps[:, :, num_samples:])
+        given_lps.append(step_lps[:, :, num_samples:].masked_fill(outside, float("-inf")))
         if depth == path_length - 1:
             break
-        flat_ids = drafter.draft_to_target(step_draft_ids).reshape(batch_size, -1)  # [B, A*K]
+        step_target_ids = torch.cat([proposals[-1], given_paths[..., depth]], dim=2)  # [B, A, K]
+        flat_ids = step_target_ids.reshape(batch_size, -1)  # [B, A*K]
         block = _slot_mask(flat_ids.shape[1], depth + 1, device).expand(batch_size, -1, -1)
         mask = cache.attention_mask(block, dtype, past_lens)
         positions = cache.positions(torch.full_like(flat_ids, depth), past_lens)
@@ -283,19 +291,22 @@ class EStepPaths:
     correction_target_lps: Tensor  # log p_theta of correction tokens
     correction_draft_lps: Tensor  # log q_psi of correction tokens, with grad
     greedy_target_lps: Tensor  # [B*A, L] log p_theta of z_bar's tokens
-    greedy_draft_lps: Tensor  # [B*A, L] log q_psi of z_bar's tokens (detached)
+    greedy_draft_lps: Tensor  # [B*A, L] log q_psi of z_bar's tokens (detached; -inf outside the draft vocab)
     mask: Tensor  # bool, False for the unused anchors of short rows
     step0_hidden: Tensor  # [B, T, H] drafter step 0 at every position
+    proposal_ids: Tensor | None = None  # target ids of the proposals (for the oracle's tie rule)
+    correction_ids: Tensor | None = None  # target ids of the corrections
+    greedy_ids: Tensor | None = None  # [B*A, L] target ids of z_bar
 
 
 def run_estep(drafter: Drafter, target: Target, batch: FeatureBatch, num_anchors: int, num_samples: int,
-              path_length: int, generator: torch.Generator) -> EStepPaths:
+              path_length: int, generator: torch.Generator, greedy_full_vocab: bool = False) -> EStepPaths:
     """Anchors, target rollouts, drafter pass and packed scoring (module docstring)."""
     cache = batch.target_cache if batch.target_cache is not None else prefix_cache(target, batch.tokens)
     anchors, anchor_valid = choose_anchors(batch.tokens, num_anchors, generator)
     target_to_draft = target_to_draft_ids(drafter, target.vocab_size)
     corrections, greedy = target_rollouts(target, cache, batch, anchors, target_to_draft >= 0, num_samples,
-                                          path_length, generator)
+                                          path_length, generator, greedy_full_vocab)
     given = torch.cat([corrections.token_ids, greedy.token_ids], dim=2)
     drafted = draft_pass(drafter, batch, anchors, given, target_to_draft, num_samples, path_length, generator)
     proposal_target_lps = score_paths_packed(target, cache, batch, anchors, drafted.proposals)
@@ -308,4 +319,7 @@ def run_estep(drafter: Drafter, target: Target, batch: FeatureBatch, num_anchors
         greedy_draft_lps=_per_anchor(drafted.teacher_logprobs[:, :, num_samples:]).detach()[:, 0],
         mask=_per_anchor(anchor_valid[:, :, None, None].expand_as(drafted.proposals)),
         step0_hidden=drafted.step0_hidden,
+        proposal_ids=_per_anchor(drafted.proposals),
+        correction_ids=_per_anchor(corrections.token_ids),
+        greedy_ids=_per_anchor(greedy.token_ids)[:, 0],
     )

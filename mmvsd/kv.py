@@ -3,15 +3,19 @@
 Row b's committed entries occupy slots [0, lens[b]) of every layer; slots from lens[b] up to the
 committed length are stale and always masked out. New entries (a prompt chunk, a draft tree, a
 frontier of tree nodes) are appended after the committed length as a "block"; `keep` then copies
-the entries a row accepts to its slots lens[b].. and drops the rest. The target (an HF
-`DynamicCache`) and the drafters' own caches share this one mechanism.
+the entries a row accepts to its slots lens[b].. and drops the rest. The target (an HF `Cache` of
+`SlotLayer`s) and the drafters' own caches share this one mechanism.
+
+Every layer keeps its keys and values in one preallocated buffer written in place: appending a
+block, committing it and dropping it never copy the cache (an HF `DynamicCache` concatenates the
+whole cache on every forward).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
 
 
 def sequence_block(batch_size: int, width: int, device: torch.device | str) -> tuple[Tensor, Tensor]:
@@ -21,11 +25,79 @@ def sequence_block(batch_size: int, width: int, device: torch.device | str) -> t
     return depths, causal
 
 
+class SlotLayer(DynamicLayer):
+    """One layer's KV in a buffer [2, B, H, capacity, D] (keys, values) written in place.
+
+    `keys`/`values` are views [B, H, length, D] of the first `length` slots; the capacity doubles
+    when an update does not fit, so growing costs one copy per doubling.
+    """
+
+    min_capacity = 256
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        batch, heads, _, head_dim = key_states.shape
+        self.buffer = torch.empty(2, batch, heads, 0, head_dim, dtype=self.dtype, device=self.device)
+        self.length = 0
+        self.is_initialized = True
+        self._refresh_views()
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        """Write key/value states [B, H, N, D] after the current length; return all keys and values."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[2]
+        self._reserve(end)
+        self.buffer[0, :, :, self.length : end] = key_states
+        self.buffer[1, :, :, self.length : end] = value_states
+        self.length = end
+        self._refresh_views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def reset(self) -> None:
+        self.is_initialized = False
+        self.keys = self.values = None
+        self.length = 0
+
+    def truncate(self, length: int) -> None:
+        """Forget every slot from `length` on (no copy: later updates overwrite them)."""
+        if self.is_initialized and self.length > length:
+            self.length = length
+            self._refresh_views()
+
+    def move(self, rows: Tensor, dst: Tensor, src: Tensor) -> None:
+        """Copy slot src[i] to slot dst[i] of row rows[i], keys and values in one indexed copy ([K] each)."""
+        self.buffer[:, rows, :, dst] = self.buffer[:, rows, :, src]
+
+    def select_rows(self, rows: Tensor) -> None:
+        if self.is_initialized:
+            self.buffer = self.buffer[:, rows]
+            self._refresh_views()
+
+    def _reserve(self, length: int) -> None:
+        capacity = self.buffer.shape[3]
+        if length <= capacity:
+            return
+        grown = torch.empty(
+            *self.buffer.shape[:3], max(length, 2 * capacity, self.min_capacity), self.buffer.shape[4],
+            dtype=self.dtype, device=self.device,
+        )
+        grown[:, :, :, : self.length] = self.buffer[:, :, :, : self.length]
+        self.buffer = grown
+
+    def _refresh_views(self) -> None:
+        self.keys = self.buffer[0, :, :, : self.length]
+        self.values = self.buffer[1, :, :, : self.length]
+
+
 class RaggedCache:
-    """An HF `DynamicCache` plus per-row committed lengths."""
+    """An HF `Cache` of `SlotLayer`s plus per-row committed lengths."""
 
     def __init__(self, batch_size: int, device: torch.device | str = "cpu") -> None:
-        self.kv = DynamicCache()
+        self.kv = Cache(layer_class_to_replicate=SlotLayer)
         self.lens = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
         self.committed_len = 0  # slots before this index are committed-or-stale; after: the block
         self.hidden_slots: Tensor | None = None  # [B, committed_len] bool: committed entries no query sees
@@ -92,11 +164,9 @@ class RaggedCache:
         rows, cols = take.nonzero(as_tuple=True)
         src = self.committed_len + block_indices.to(self.lens.device)[rows, cols]
         dst = self.lens[rows] + cols
-        moved = bool((src != dst).any())
-        for layer in self.kv.layers:
-            if moved:
-                layer.keys[rows, :, dst] = layer.keys[rows, :, src]
-                layer.values[rows, :, dst] = layer.values[rows, :, src]
+        if bool((src != dst).any()):
+            for layer in self.kv.layers:
+                layer.move(rows, dst, src)
         if self.hidden_slots is not None or self.block_hidden is not None:
             self._keep_hidden(rows, dst, src - self.committed_len)
         self.lens = self.lens + num_keep
@@ -129,8 +199,7 @@ class RaggedCache:
             self.hidden_slots = self.hidden_slots[rows]
         self.row_state = {name: value[rows] for name, value in self.row_state.items()}
         for layer in self.kv.layers:
-            layer.keys = layer.keys[rows]
-            layer.values = layer.values[rows]
+            layer.select_rows(rows)
         self._truncate(int(self.lens.max().item()) if self.batch_size else 0)
 
     def _truncate(self, length: int) -> None:
@@ -140,6 +209,4 @@ class RaggedCache:
         if self.hidden_slots is not None:
             self.hidden_slots = self.hidden_slots[:, :length]
         for layer in self.kv.layers:
-            if layer.keys is not None and layer.keys.shape[-2] > length:
-                layer.keys = layer.keys[:, :, :length]
-                layer.values = layer.values[:, :, :length]
+            layer.truncate(length)

@@ -46,9 +46,16 @@ class Layout:
     drafter_type: ClassVar[str] = ""  # our drafter architecture it holds ("" for any of ours)
     released: ClassVar[dict[str, str]] = {}  # target name -> HF repo id of the released drafter
 
+    serving_note: ClassVar[str] = ""  # who reads this layout, said when a drafter cannot be exported to it
+    detect_first: ClassVar[bool] = False  # `detect` relies on an unambiguous config.json marker
+
     def export(self, drafter: Drafter, out_dir: Path) -> None:
         """Write `drafter` into the existing empty folder `out_dir`."""
         raise NotImplementedError
+
+    def export_for(self, drafter: Drafter, out_dir: Path, target: Target) -> None:
+        """Write `drafter`, made for `target`, into `out_dir` (layouts that record target facts override it)."""
+        self.export(drafter, out_dir)
 
     def load(self, path: Path, target: Target) -> Drafter:
         """Read the folder `path` into our drafter, made for `target` (UserError if it does not fit)."""
@@ -103,8 +110,9 @@ def layout(name: str) -> Layout:
 
 
 def identify_layout(config: dict, keys: set[str], exclude: tuple[str, ...] = ()) -> str | None:
-    """The name of the first registered layout (outside `exclude`) that recognises a checkpoint."""
-    for name in layout_names():
+    """The name of the first registered layout (outside `exclude`) that recognises a checkpoint; layouts
+    that a config.json marker identifies for sure (`detect_first`) are asked before the key-pattern ones."""
+    for name in sorted(layout_names(), key=lambda n: not LAYOUTS[n].detect_first):
         if name not in exclude and LAYOUTS[name].detect(config, keys):
             return name
     return None
@@ -300,7 +308,10 @@ def export_drafter(
     if not drafter_type:
         raise UserError(f"{drafter_dir} is not an mmvsd drafter folder (no 'mmvsd_drafter_type' in its config.json)")
     if chosen.drafter_type and chosen.drafter_type != drafter_type:
-        raise UserError(f"layout {fmt!r} holds {chosen.drafter_type!r} drafters; {drafter_dir} is a {drafter_type!r} one")
+        note = f" ({chosen.serving_note})" if chosen.serving_note else ""
+        raise UserError(f"--format {fmt} holds {chosen.drafter_type!r} drafters{note}; {drafter_dir} is a "
+                        f"{drafter_type!r} drafter, which it cannot represent (its own layouts: "
+                        f"{', '.join(layouts_for(drafter_type))})")
     check_export_target(drafter_dir, out_dir, force)
     if target is None:
         target = _export_target(config, target_spec, drafter_dir)
@@ -308,8 +319,13 @@ def export_drafter(
 
     drafter = load_drafter(drafter_dir, target)
     with atomic_dir(out_dir) as tmp:
-        chosen.export(drafter, tmp)
+        chosen.export_for(drafter, tmp, target)
     return out_dir
+
+
+def layouts_for(drafter_type: str) -> list[str]:
+    """Names of the registered layouts that can hold a drafter of `drafter_type` (hf holds every one)."""
+    return [name for name in layout_names() if LAYOUTS[name].drafter_type in ("", drafter_type)]
 
 
 def check_export_target(drafter_dir: Path, out_dir: Path, force: bool) -> None:
@@ -335,7 +351,8 @@ def add_export_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     """Add `mmvsd export --drafter DIR --format NAME [--target T] [--force] OUT` to a CLI."""
     p = sub.add_parser("export", help="write a trained drafter in another checkpoint layout (e.g. for vLLM/SGLang)",
                        description="Write a drafter folder of ours in a registered checkpoint layout, e.g. "
-                       "eagle3 (what vLLM and SGLang load) or hf (ours).")
+                       "eagle3 (what vLLM and SGLang load), speculators (the `speculators` package's format) or hf "
+                       "(ours). vLLM and SGLang serve only EAGLE-3-style drafters.")
     p.add_argument("--drafter", required=True, help="drafter folder written by `mmvsd train`")
     p.add_argument("--format", required=True, help="checkpoint layout to write (an unknown name lists them)")
     p.add_argument("--target", help="target the drafter was made for (default: the one its config records)")

@@ -1,15 +1,20 @@
 """Training objectives: each maps a feature batch to a scalar loss plus metrics.
 
-Names and exactly what they compute (docs/objectives.md has the derivations):
+An objective is a weighted sum of terms (docs/training.md, "Objectives", has the formulas):
     ce       EAGLE-3 training-time test: sum_i decay^i * soft-CE(p_theta restricted to the draft
              vocab, q_psi) over `ttt_steps` unrolled steps, at loss positions whose target top-1
              token is in the draft vocabulary.
-    vsd      the paper's EM (Alg. 1): E-step paths at random anchors, M-step surrogate whose
-             gradient is eq. "advance" (ARW beta, CAR zeta; switches use_arw / use_car).
-    vsd-kl   vsd + kl_alpha * top-K renormalised KL(p^ || q^) (eq. klv) at every loss position
-             of draft step 0: the paper's "VSD (KL)".
-    ce+vsd   ce + vsd_weight * vsd: the paper's Implementation paragraph (the original objective
-             plus the VSD term) for training on from a trained drafter.
+    vsd      the paper's EM term (Alg. 1): E-step paths at random anchors, M-step surrogate whose
+             gradient is eq. "advance" (ARW beta, CAR zeta). It is the ELBO's E_q[log kappa] half
+             only; the paper always adds it to an original loss that stands in for the KL half.
+    topk_kl  sum_i decay^i * top-K renormalised KL(p^ || q^) (eq. klv) over the unrolled steps
+             (`kl_depth=all`) or draft step 0 only (`kl_depth=first`).
+Objectives (TERM_WEIGHTS):
+    ce       ce alone (the baseline).
+    vsd      vsd alone: an ABLATION (the ELBO without its KL half), never "VSD" as the paper trains it.
+    vsd-kl   vsd + kl_alpha * topk_kl: the paper's "VSD (KL)".
+    ce+vsd   ce_weight * ce + vsd_weight * vsd: the paper's recipe (the original loss plus the VSD
+             term), for training on from a trained drafter.
 The objectives never look at which drafter they train: only the `Drafter` interface.
 """
 
@@ -28,20 +33,36 @@ from mmvsd.features import FeatureBatch, draft_step0_inputs
 from mmvsd.target import Target
 from mmvsd.unroll import shifted, unroll_draft_steps
 from mmvsd.vsd import (
+    CAR_NORMALISATIONS,
+    CAR_SCALES,
     car_weights,
     leave_one_out_acceptance,
     length_weights,
     oracle,
+    oracle_diagnostics,
     path_log_kappa,
     prefix_logprobs,
+    prefix_matches,
     topk_renormalised_kl,
     vsd_surrogate,
 )
 
+# The paper's alpha = 0.1 (Implementation Details, LLM setting, where no top-K KL exists) has two
+# readings for `ce+vsd`: "vsd + 0.1 * ce" (alpha weights the KL surrogate, as in "VSD (KL)") and
+# "ce + 0.1 * vsd". PROVISIONAL default: the first, the reading most consistent across the paper;
+# to be confirmed or replaced from the CE-vs-VSD study (benchmarks/vsd_study.py, both readings).
+PAPER_ALPHA = 0.1
+PROVISIONAL_CE_WEIGHT = PAPER_ALPHA  # reading "vsd + alpha * ce"
+PROVISIONAL_VSD_WEIGHT = 1.0
+ALPHA_READINGS = {"vsd+alpha*ce": (PAPER_ALPHA, 1.0), "ce+alpha*vsd": (1.0, PAPER_ALPHA)}  # (ce_weight, vsd_weight)
+
+KL_DEPTHS = ("all", "first")
+ZBAR_VOCABS = ("draft", "full")
+
 
 @dataclass
 class ObjectiveConfig:
-    """The knobs of every objective (TrainConfig copies them from its own fields)."""
+    """The knobs of every objective (the `loss:` block of TrainConfig)."""
 
     ttt_steps: int = 7
     ttt_decay: float = 0.8
@@ -50,11 +71,55 @@ class ObjectiveConfig:
     num_anchors: int = 4  # anchors per sequence
     length_weight_base: float = 1.05  # w(l) = base^l
     car_temperature: float = 0.2  # tau of CAR
+    car_normalisation: str = "sum"  # sum: literal softmax over S | mean: S x softmax
+    car_scale: str = "prob"  # prob: confidence q(z~) as eq. zeta_update | log: log q(z~)
     use_arw: bool = True
     use_car: bool = True
-    kl_alpha: float = 0.1
+    zbar_vocab: str = "draft"  # z_bar = target argmax over the draft vocabulary | the full vocabulary
+    kl_alpha: float = 0.1  # vsd-kl: weight of topk_kl
     kl_topk: int = 10
-    vsd_weight: float = 1.0
+    kl_depth: str = "all"  # all: every unrolled step with ttt_decay | first: draft step 0 only
+    ce_weight: float = PROVISIONAL_CE_WEIGHT  # ce+vsd: weight of ce (provisional, see ALPHA_READINGS)
+    vsd_weight: float = PROVISIONAL_VSD_WEIGHT  # ce+vsd: weight of vsd
+
+    def validate(self, objective: str) -> None:
+        """Raise UserError on values no run can use, or weights with which `objective` trains nothing."""
+        if objective not in TERM_WEIGHTS:
+            raise UserError(f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVE_NAMES)}")
+        choices = {"car_normalisation": CAR_NORMALISATIONS, "car_scale": CAR_SCALES, "kl_depth": KL_DEPTHS,
+                   "zbar_vocab": ZBAR_VOCABS}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise UserError(f"loss.{key}={getattr(self, key)!r} is not one of {', '.join(allowed)}")
+        for key in ("ttt_steps", "num_samples", "path_length", "num_anchors", "kl_topk"):
+            if getattr(self, key) < 1:
+                raise UserError(f"loss.{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("ce_weight", "vsd_weight", "kl_alpha", "ttt_decay"):
+            if not getattr(self, key) >= 0:  # also refuses NaN
+                raise UserError(f"loss.{key} must be >= 0, got {getattr(self, key)}")
+        for key in ("car_temperature", "length_weight_base"):
+            if not getattr(self, key) > 0:
+                raise UserError(f"loss.{key} must be > 0, got {getattr(self, key)}")
+        weights = term_weights(objective, self)
+        if not any(weights.values()):
+            settings = ", ".join(f"{TERM_KEYS[t]}=0" for t in weights if TERM_KEYS[t])
+            raise UserError(f"objective={objective} trains nothing with {settings}: give a term a weight > 0")
+
+
+def term_weights(objective: str, config: ObjectiveConfig) -> dict[str, float]:
+    """{term: weight} of `objective` (module docstring), in the order the terms are computed."""
+    return {term: (getattr(config, key) if key else 1.0) for term, key in TERM_WEIGHTS[objective].items()}
+
+
+# objective -> {term: the ObjectiveConfig field holding its weight ("" = weight 1)}
+TERM_WEIGHTS = {
+    "ce": {"ce": ""},
+    "vsd": {"vsd": ""},
+    "vsd-kl": {"vsd": "", "topk_kl": "kl_alpha"},
+    "ce+vsd": {"ce": "ce_weight", "vsd": "vsd_weight"},
+}
+TERM_KEYS = {"ce": "loss.ce_weight", "vsd": "loss.vsd_weight", "topk_kl": "loss.kl_alpha"}
+OBJECTIVE_NAMES = tuple(TERM_WEIGHTS)
 
 
 Metrics = dict[str, float]
@@ -91,70 +156,110 @@ def ce_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: Objec
 
 
 def vsd_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: ObjectiveConfig,
-             generator: torch.Generator) -> tuple[Tensor, Metrics, Tensor]:
-    """The VSD EM term (Alg. 1 with eq. advance); also returns the drafter's step-0 hidden states."""
-    paths = run_estep(drafter, target, batch, config.num_anchors, config.num_samples, config.path_length, generator)
-    loss, metrics = vsd_m_step(paths, config)
-    return loss, metrics, paths.step0_hidden
+             generator: torch.Generator) -> tuple[Tensor, Metrics]:
+    """The VSD EM term (Alg. 1 with eq. advance) at `num_anchors` random anchors per row."""
+    paths = run_estep(drafter, target, batch, config.num_anchors, config.num_samples, config.path_length, generator,
+                      greedy_full_vocab=config.zbar_vocab == "full")
+    return vsd_m_step(paths, config)
+
+
+@dataclass
+class Oracles:
+    """Alg. 2 applied to every (anchor, sample, length) of an E-step: [A, S, L] unless noted."""
+
+    greedy_log_kappa: Tensor  # [A, L] log kappa(z_bar_<=l)
+    proposal_log_kappa: Tensor
+    proposal_oracle: Tensor  # o~
+    correction_oracle: Tensor
+    passed: Tensor  # bool, o~ > 0: the proposal is kept, else the correction replaces it
+    final_oracle: Tensor  # o'
+
+
+def estep_oracles(paths: EStepPaths, config: ObjectiveConfig) -> Oracles:
+    """The oracle of proposals and corrections against z_bar; token-identical prefixes of z_bar pass."""
+    weights = length_weights(paths.mask.shape[-1], config.length_weight_base, device=paths.mask.device)
+    greedy_log_kappa = path_log_kappa(paths.greedy_target_lps, paths.greedy_draft_lps.detach())
+    proposal_log_kappa = path_log_kappa(paths.proposal_target_lps, paths.proposal_draft_lps.detach())
+    correction_log_kappa = path_log_kappa(paths.correction_target_lps, paths.correction_draft_lps.detach())
+    has_ids = paths.greedy_ids is not None
+    proposal_ties = prefix_matches(paths.proposal_ids, paths.greedy_ids) if has_ids else None
+    correction_ties = prefix_matches(paths.correction_ids, paths.greedy_ids) if has_ids else None
+    proposal_oracle = oracle(proposal_log_kappa, greedy_log_kappa, weights, paths.mask, proposal_ties)
+    correction_oracle = oracle(correction_log_kappa, greedy_log_kappa, weights, paths.mask, correction_ties)
+    passed = proposal_oracle > 0
+    final_oracle = torch.where(passed, proposal_oracle, correction_oracle)
+    return Oracles(greedy_log_kappa, proposal_log_kappa, proposal_oracle, correction_oracle, passed, final_oracle)
 
 
 def vsd_m_step(paths: EStepPaths, config: ObjectiveConfig) -> tuple[Tensor, Metrics]:
     """Oracle, final paths, ARW beta and CAR zeta for every (anchor, sample, length), then eq. advance."""
-    weights = length_weights(paths.mask.shape[-1], config.length_weight_base, device=paths.mask.device)
-    greedy_log_kappa = path_log_kappa(paths.greedy_target_lps, paths.greedy_draft_lps)
-    proposal_oracle = oracle(path_log_kappa(paths.proposal_target_lps, paths.proposal_draft_lps.detach()),
-                             greedy_log_kappa, weights, paths.mask)
-    correction_oracle = oracle(path_log_kappa(paths.correction_target_lps, paths.correction_draft_lps.detach()),
-                               greedy_log_kappa, weights, paths.mask)
-    passed = proposal_oracle > 0  # o~ > 0: the proposal is kept, else the correction replaces it
-    final_oracle = torch.where(passed, proposal_oracle, correction_oracle)  # o'
+    oracles = estep_oracles(paths, config)
+    passed = oracles.passed
     proposal_path_lps = prefix_logprobs(paths.proposal_draft_lps)
     final_path_lps = torch.where(passed, proposal_path_lps, prefix_logprobs(paths.correction_draft_lps))
+    zeta = car_weights(proposal_path_lps, config.car_temperature, paths.mask, on_log_scale=config.car_scale == "log",
+                       normalisation=config.car_normalisation)
     loss, raw = vsd_surrogate(
-        final_path_lps, proposal_path_lps, final_oracle=final_oracle, proposal_passed=passed,
-        beta=leave_one_out_acceptance(passed, final_oracle),
-        zeta=car_weights(proposal_path_lps, config.car_temperature, paths.mask), mask=paths.mask,
+        final_path_lps, proposal_path_lps, final_oracle=oracles.final_oracle, proposal_passed=passed,
+        beta=leave_one_out_acceptance(passed, oracles.final_oracle), zeta=zeta, mask=paths.mask,
         use_arw=config.use_arw, use_car=config.use_car,
     )
+    raw.update(oracle_diagnostics(oracles.proposal_log_kappa, oracles.greedy_log_kappa,
+                                  oracles.correction_oracle > 0, paths.mask))
     metrics = {k: float(v) for k, v in raw.items()}
     metrics["vsd"] = float(loss.detach())
     return loss, metrics
 
 
-def topk_kl_loss(drafter: Drafter, target: Target, batch: FeatureBatch, step0_hidden: Tensor,
-                 top_k: int) -> Tensor:
-    """Mean top-K renormalised KL between target and draft step 0 at the loss positions."""
-    target_logits, _ = draft_vocab_logits(target, drafter, shifted(batch.target_hidden, 1))
-    mask = shifted(batch.tokens.loss_mask, 2, False)
-    kl = topk_renormalised_kl(target_logits, drafter.draft_logprobs(step0_hidden), top_k)  # [B, T]
-    return (kl * mask).sum() / mask.sum().clamp(min=1)
+def topk_kl_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: ObjectiveConfig) -> tuple[Tensor, Metrics]:
+    """sum_i ttt_decay^i * mean top-K renormalised KL at unrolled step i (every step, or step 0 only).
+
+    Step i at anchor t predicts token t+2+i, whose target distribution sits at position t+1+i, at
+    the positions whose token t+2+i is a loss token (the same unrolling and decay as `ce`).
+    """
+    num_steps = config.ttt_steps if config.kl_depth == "all" else 1
+    features, next_ids, media = draft_step0_inputs(drafter, batch)
+    hiddens = unroll_draft_steps(drafter, features, next_ids, num_steps, media)
+    target_logits, _ = draft_vocab_logits(target, drafter, batch.target_hidden)  # [B, T, Vd]
+    total = torch.zeros((), device=target_logits.device)
+    metrics: Metrics = {}
+    for step, hidden in enumerate(hiddens):
+        mask = shifted(batch.tokens.loss_mask, step + 2, False)
+        kl = topk_renormalised_kl(shifted(target_logits, step + 1), drafter.draft_logprobs(hidden), config.kl_topk)
+        step_kl = (kl * mask).sum() / mask.sum().clamp(min=1)
+        total = total + config.ttt_decay**step * step_kl
+        metrics[f"topk_kl_{step}"] = float(step_kl.detach())
+    metrics["topk_kl"] = float(total.detach())
+    return total, metrics
+
+
+def _ce_term(drafter, target, batch, config, generator):
+    return ce_loss(drafter, target, batch, config)
+
+
+def _kl_term(drafter, target, batch, config, generator):
+    return topk_kl_loss(drafter, target, batch, config)
+
+
+TERMS = {"ce": _ce_term, "vsd": vsd_loss, "topk_kl": _kl_term}
 
 
 def make_objective(name: str, config: ObjectiveConfig) -> Objective:
-    """The objective called `name` (see the module docstring), closed over its config."""
+    """The objective called `name`: sum of weight * term over its terms (module docstring).
 
-    def ce(drafter, target, batch, generator):
-        return ce_loss(drafter, target, batch, config)
+    A term of weight 0 is not computed. Raises UserError on an unknown name or a bad config.
+    """
+    config.validate(name)
+    weights = term_weights(name, config)
 
-    def vsd(drafter, target, batch, generator):
-        loss, metrics, _ = vsd_loss(drafter, target, batch, config, generator)
-        return loss, metrics
+    def objective(drafter: Drafter, target: Target, batch: FeatureBatch, generator: torch.Generator):
+        total, metrics = None, {}
+        for term, weight in weights.items():
+            if weight == 0:
+                continue
+            value, term_metrics = TERMS[term](drafter, target, batch, config, generator)
+            total = weight * value if total is None else total + weight * value
+            metrics.update(term_metrics)
+        return total, metrics
 
-    def vsd_kl(drafter, target, batch, generator):
-        loss, metrics, step0 = vsd_loss(drafter, target, batch, config, generator)
-        kl = topk_kl_loss(drafter, target, batch, step0, config.kl_topk)
-        metrics["topk_kl"] = float(kl.detach())
-        return loss + config.kl_alpha * kl, metrics
-
-    def ce_vsd(drafter, target, batch, generator):
-        ce_value, metrics = ce_loss(drafter, target, batch, config)
-        vsd_value, vsd_metrics, _ = vsd_loss(drafter, target, batch, config, generator)
-        return ce_value + config.vsd_weight * vsd_value, {**metrics, **vsd_metrics}
-
-    table = {"ce": ce, "vsd": vsd, "vsd-kl": vsd_kl, "ce+vsd": ce_vsd}
-    if name not in table:
-        raise UserError(f"unknown objective {name!r}; choose one of {', '.join(OBJECTIVE_NAMES)}")
-    return table[name]
-
-
-OBJECTIVE_NAMES = ("ce", "vsd", "vsd-kl", "ce+vsd")
+    return objective

@@ -15,10 +15,10 @@ def prepare_feature_cache(config: TrainConfig, dtype: str = "auto", assume_yes: 
     """Render the same training examples `mmvsd train` would, print the size, then write the cache."""
     from mmvsd.feature_cache import plan_feature_cache, write_feature_cache
     from mmvsd.targets import load_target
-    from mmvsd.trainer import config_examples, data_settings
+    from mmvsd.trainer import TARGET_DTYPES, config_examples, data_settings
 
     out_dir = Path(config.feature_cache)
-    target = load_target(config.target)
+    target = load_target(config.target, dtype=TARGET_DTYPES[config.target_dtype])
     split = config_examples(config, target, out_dir.parent / f"{out_dir.name}.regenerated-{config.regenerate}.jsonl")
     if any(example.media for example in split.train):
         raise UserError("offline feature caches hold text examples only; train on data with images with "

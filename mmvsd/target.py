@@ -10,10 +10,38 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AttentionInterface, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from mmvsd.errors import UserError
 from mmvsd.kv import RaggedCache
+
+GQA_SDPA = "mmvsd_sdpa"  # transformers' sdpa, with grouped-query attention read in place on the CPU
+
+
+def gqa_sdpa_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                       **kwargs) -> tuple[Tensor, None]:
+    """transformers' sdpa attention, except for several queries with an explicit mask on the CPU.
+
+    There transformers copies every KV head once per query head (`repeat_kv`: 2 copies of the whole
+    cache per layer and forward); torch's CPU kernel reads the KV heads in place with `enable_gqa`
+    and gives the same numbers. Elsewhere (CUDA falls back to its slow math kernel with a mask and
+    GQA; one query is already packed by transformers) the stock function runs.
+    query [B, Hq, N, D]; key, value [B, Hkv, T, D]; attention_mask [B, 1, N, T] additive.
+    """
+    groups = getattr(module, "num_key_value_groups", 1)
+    plain = kwargs.get("position_bias") is None and kwargs.get("softcap") is None and not kwargs.get("dropout")
+    if query.device.type != "cpu" or attention_mask is None or groups == 1 or query.shape[2] == 1 or not plain:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, scale=kwargs.get("scaling"), enable_gqa=True
+    )  # [B, Hq, N, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GQA_SDPA, gqa_sdpa_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(GQA_SDPA, sdpa_mask)
 
 
 @dataclass(frozen=True)
@@ -52,6 +80,8 @@ class Target:
         self.max_positions: int = getattr(text_config, "max_position_embeddings", 1 << 30)
         self.aux_layer_ids = tuple(aux_layer_ids or default_aux_layer_ids(self.num_layers))
         self.eos_token_ids = _eos_ids(model, tokenizer)
+        if text_config._attn_implementation == "sdpa":
+            text_config._attn_implementation = GQA_SDPA
 
     @property
     def device(self) -> torch.device:

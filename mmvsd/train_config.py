@@ -28,7 +28,7 @@ class TrainConfig:
     target: str = ""
     drafter: str = "eagle3"  # a registered drafter type
     init: str = "none"  # none | drafter folder | LAYOUT (released for the target) | LAYOUT:PATH
-    objective: str = "ce"  # ce | vsd | vsd-kl | ce+vsd
+    objective: str = "ce"  # ce | vsd (ablation: no KL half) | vsd-kl | ce+vsd (the paper's recipe)
     data: str = "sharegpt"  # sharegpt, sharegpt:PATH, llava-instruct:PATH or a file; SPEC+SPEC mixes them
     adapter: str = ""  # modality adapter for conversations with images ("": the first that fits the target)
     media_curriculum: str = "auto"  # auto (the drafter's default) | on | off: text first, then media (MSD)
@@ -47,12 +47,16 @@ class TrainConfig:
     grad_accum: int = 1
     epochs: float = 1.0
     max_steps: int = 0  # optimizer steps; > 0 overrides epochs
+    max_minutes: float = 0.0  # > 0: also stop (checkpoint and publish) after this much wall-clock time
     learning_rate: float = 1e-4
     warmup_ratio: float = 0.02
     schedule: str = "cosine"  # cosine (to min_lr_ratio x peak) | linear (to 0)
     min_lr_ratio: float = 0.01
     max_grad_norm: float = 0.5
-    precision: str = "fp32"  # fp32 | bf16
+    precision: str = "fp32"  # fp32 | bf16 (the drafter's autocast)
+    target_dtype: str = "fp32"  # fp32 | bf16: the dtype the target computes features in (bf16: ~3x faster
+    # on CPUs with AMX/AVX-512-bf16; the drafter then decodes against an fp32 target's slightly different features)
+    init_from_target: bool = False  # start the draft LM head and final norm from the target's (draft-vocab rows)
     seed: int = 0
     max_bad_steps: int = 20  # non-finite losses tolerated (skipped) before the run stops
     # bookkeeping
@@ -60,6 +64,12 @@ class TrainConfig:
     keep_checkpoints: int = 2
     log_every: int = 10
     progress: bool = True
+    # validation tau (mmvsd.evaluate: exact T=0 acceptance on held-out prompts, logged as val/tau)
+    eval_every: int = 0  # optimizer steps between evaluations (0: off); also after the last step
+    eval_prompts: str = "mt_bench"  # a JSONL prompt file or a built-in benchmark (mt_bench, humaneval, gsm8k)
+    eval_limit: int = 20  # first N prompts
+    eval_max_new_tokens: int = 128
+    eval_tree: str = "60/7/10"  # BUDGET/DEPTH/TOPK
     loss: ObjectiveConfig = field(default_factory=ObjectiveConfig)
 
     def validate(self) -> None:
@@ -67,7 +77,7 @@ class TrainConfig:
         choices = {"objective": OBJECTIVE_NAMES, "regenerate": ("none", "greedy", "sample"),
                    "features": ("online", "offline"), "schedule": ("cosine", "linear"),
                    "media_curriculum": ("auto", "on", "off"),
-                   "precision": ("fp32", "bf16")}
+                   "precision": ("fp32", "bf16"), "target_dtype": ("fp32", "bf16")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise UserError(f"{key}={getattr(self, key)!r} is not one of {', '.join(allowed)}")
@@ -77,13 +87,23 @@ class TrainConfig:
             raise UserError("no output folder: pass --output DIR")
         if self.features == "offline" and not self.feature_cache:
             raise UserError("features=offline needs feature_cache=DIR (written by `mmvsd prepare`)")
-        positive = ("batch_size", "grad_accum", "max_length", "save_every", "log_every", "draft_vocab_size")
+        positive = ("batch_size", "grad_accum", "max_length", "save_every", "log_every", "draft_vocab_size",
+                    "eval_max_new_tokens")
         for key in positive:
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("ttt_steps", "num_samples", "path_length", "num_anchors", "kl_topk"):
-            if getattr(self.loss, key) < 1:
-                raise UserError(f"loss.{key} must be >= 1, got {getattr(self.loss, key)}")
+        self._validate_eval()
+        self.loss.validate(self.objective)  # loss values, weights (objectives.ObjectiveConfig)
+
+    def _validate_eval(self) -> None:
+        if self.eval_every < 0 or self.eval_limit < 0:
+            raise UserError(f"eval_every and eval_limit must be >= 0, got {self.eval_every} and {self.eval_limit}")
+        from mmvsd.tree import TreeShape
+
+        try:
+            TreeShape.parse(self.eval_tree)
+        except ValueError as err:
+            raise UserError(f"eval_tree: {err}") from None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

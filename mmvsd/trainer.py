@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +38,9 @@ logger = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
 # settings that may change between an interrupted run and its resumption
-RESUMABLE_CHANGES = {"progress", "log_every", "save_every", "keep_checkpoints", "max_bad_steps"}
+RESUMABLE_CHANGES = {"progress", "log_every", "save_every", "keep_checkpoints", "max_bad_steps", "eval_every",
+                     "eval_prompts", "eval_limit", "eval_max_new_tokens", "eval_tree"}
+VAL_LOG = "val_tau.jsonl"  # one line per validation-tau evaluation (also in TensorBoard as val/*)
 
 
 @dataclass
@@ -95,6 +98,9 @@ def total_steps(config: TrainConfig, num_examples: int) -> int:
     return max(1, micro // config.grad_accum)
 
 
+TARGET_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def build_drafter(config: TrainConfig, target: Target, train_examples: list) -> Drafter:
     """A fresh drafter with a frequency-based draft vocabulary, or the `--init` one (see `resolve_init`)."""
     source = check_init(config)
@@ -107,6 +113,8 @@ def build_drafter(config: TrainConfig, target: Target, train_examples: list) -> 
                                                         seed=config.seed)
     counts = token_frequencies(train_examples, target.vocab_size)
     drafter.set_draft_vocab(draft_vocab_from_counts(counts, drafter.draft_vocab_size))
+    if config.init_from_target:
+        drafter.init_from_target(target)
     return drafter.train()
 
 
@@ -256,8 +264,9 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
     if target is None:
         from mmvsd.targets import load_target
 
-        target = load_target(config.target)
+        target = load_target(config.target, dtype=TARGET_DTYPES[config.target_dtype])
     target.model.to(accelerator.device)
+    monitor = _tau_monitor(config, target, accelerator)
     source = _training_source(config, target, out_dir)
     drafter = build_drafter(config, target, source.examples)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
@@ -275,11 +284,16 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
     objective = make_objective(config.objective, config.loss)
     bar = tqdm(total=steps, initial=state.step, desc=f"train {config.objective}", dynamic_ncols=True,
                disable=not (config.progress and accelerator.is_main_process))
+    deadline = time.monotonic() + 60 * config.max_minutes if config.max_minutes > 0 else math.inf
     while state.step < steps:
         metrics = _optimizer_step(config, accelerator, model, optimizer, scheduler, objective, target, source, state)
         state.step += 1
         bar.update(1)
-        bar.set_postfix(_postfix(metrics), refresh=False)
+        if time.monotonic() > deadline:  # a wall-clock budget (equal-time comparisons): stop as if at the end
+            steps = state.step
+        if monitor is not None and (state.step % config.eval_every == 0 or state.step == steps):
+            _log_tau(monitor, accelerator.unwrap_model(model), accelerator, out_dir, state.step)
+        bar.set_postfix(_postfix(metrics, monitor), refresh=False)
         if state.step % config.log_every == 0 or state.step == steps:
             accelerator.log({f"train/{k}": v for k, v in metrics.items()}, step=state.step)
         if state.step % config.save_every == 0 or state.step == steps:
@@ -301,9 +315,35 @@ def check_dataset_exists(data: str) -> None:
             raise UserError(f"dataset file not found: {path}")
 
 
-def _postfix(metrics: dict[str, float]) -> dict[str, str]:
+def _postfix(metrics: dict[str, float], monitor=None) -> dict[str, str]:
     names = {"loss": "loss", "acc_0": "acc", "oracle_pass_rate": "pass", "mean_beta": "beta"}
-    return {short: f"{metrics[key]:.3f}" for key, short in names.items() if key in metrics}
+    shown = {short: f"{metrics[key]:.3f}" for key, short in names.items() if key in metrics}
+    if monitor is not None and monitor.last_report is not None:
+        shown["tau"] = f"{monitor.last_report.tau:.2f}"
+    return shown
+
+
+def _tau_monitor(config: TrainConfig, target: Target, accelerator):
+    """The validation-tau evaluator (main process only; None when eval_every is 0)."""
+    if config.eval_every <= 0 or not accelerator.is_main_process:
+        return None
+    from mmvsd.evaluate import TauMonitor
+    from mmvsd.tree import TreeShape
+
+    return TauMonitor(target, config.eval_prompts, config.eval_limit, config.eval_max_new_tokens,
+                      TreeShape.parse(config.eval_tree))
+
+
+def _log_tau(monitor, drafter: Drafter, accelerator, out_dir: Path, step: int) -> None:
+    """Evaluate validation tau now: TensorBoard val/*, a line in OUT/val_tau.jsonl, the progress bar."""
+    report = monitor(drafter)
+    by_depth = {f"val/accepted_ge_{d}": rate for d, rate in enumerate(report.acceptance_by_depth, start=1)}
+    accelerator.log({"val/tau": report.tau, "val/mean_tau": report.mean_tau, **by_depth}, step=step)
+    line = {"step": step, "tau": report.tau, "mean_tau": report.mean_tau,
+            "acceptance_by_depth": report.acceptance_by_depth, "num_prompts": len(report.prompts),
+            "num_ties": len(report.ties), "seconds": round(report.seconds, 2)}
+    with open(out_dir / VAL_LOG, "a", encoding="utf-8") as handle:
+        handle.write(json.dumps(line) + "\n")
 
 
 def _optimizer_step(config, accelerator, model, optimizer, scheduler, objective, target, source, state) -> dict:

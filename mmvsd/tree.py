@@ -26,6 +26,27 @@ class TreeShape:
         if self.budget < 1 or self.depth < 0 or self.topk < 1:
             raise ValueError(f"invalid tree shape {self}: need budget >= 1, depth >= 0, topk >= 1")
 
+    # A fixed shape as a `ShapePlan`: always grow to `depth`, keep `budget - 1` nodes.
+    def start(self, cond_logprobs: Tensor, scores: Tensor, batch: int) -> bool:
+        return self.budget > 1
+
+    def grow(self, parent_index: Tensor, cond_logprobs: Tensor, scores: Tensor, frontier: Tensor) -> bool:
+        return True
+
+    def num_nodes(self) -> int:
+        return self.budget - 1
+
+    def observe(self, tree: DraftTree, verdict) -> None:
+        """A fixed shape learns nothing from verify results."""
+
+    @classmethod
+    def parse(cls, text: str) -> TreeShape:
+        """`BUDGET/DEPTH/TOPK`, e.g. "60/7/10" (ValueError with the reason otherwise)."""
+        parts = text.split("/")
+        if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+            raise ValueError(f"tree shape {text!r} is not BUDGET/DEPTH/TOPK (e.g. 60/7/10) or 'auto'")
+        return cls(*(int(p) for p in parts))
+
 
 @dataclass(frozen=True)
 class DraftTree:
@@ -107,25 +128,49 @@ class TreeExpander(Protocol):
         token_ids [B, K]: frontier tokens; parent_slots [B, K]: index of each node's parent in the
         previous `expand` call's frontier (0 for children of the root); block_mask [B, K, M]:
         which of the M tree entries fed so far this round (these K last) each node attends to.
+        Log-probs of -inf mark absent children (a proposer with fewer than k proposals).
         """
 
     def end_round(self) -> None:
         """Forget every tree entry fed since the last commit."""
 
 
-def build_dynamic_tree(root_ids: Tensor, expander: TreeExpander, shape: TreeShape) -> DraftTree:
+class ShapePlan(Protocol):
+    """How far the builder grows a tree this step: a fixed `TreeShape` or `shape_policy.AutoShape`."""
+
+    topk: int  # children per expanded node, and frontier width
+    depth: int  # maximum depth
+
+    def start(self, cond_logprobs: Tensor, scores: Tensor, batch: int) -> bool:
+        """The root's candidates ([B, K]) are known: whether to expand them (`num_nodes` still
+        decides how many candidates the tree keeps, 0 for a plain step)."""
+
+    def grow(self, parent_index: Tensor, cond_logprobs: Tensor, scores: Tensor, frontier: Tensor) -> bool:
+        """A depth of candidates was added ([B, C'] each; parent_index: candidate index of each one's
+        parent); frontier [B, K]: the candidates that would be expanded next. Whether to expand them."""
+
+    def num_nodes(self) -> int:
+        """How many candidates (root excluded) the tree keeps."""
+
+    def observe(self, tree: DraftTree, verdict) -> None:
+        """What the target accepted of the last tree (verify.Verdict): plans that learn, learn here."""
+
+
+def build_dynamic_tree(root_ids: Tensor, expander: TreeExpander, shape: ShapePlan) -> DraftTree:
     """EAGLE-2 dynamic tree: per-depth top-k expansion by cumulative log-prob, global rerank.
 
     root_ids [B]. Candidates at depth 1 are the root's top-k children; at each further depth the
     K best frontier nodes are expanded by their top-k children and the best K of the K*k become
-    the next frontier. Finally the best (budget - 1) candidates overall are kept; a stable sort on
-    scores that never increase along a path keeps the kept set closed under ancestors.
+    the next frontier, for as long as `shape` says growing pays (up to `shape.depth`). Finally the
+    best `shape.num_nodes()` candidates are kept; a stable sort on scores that never increase along
+    a path keeps the kept set closed under ancestors.
     """
     batch = root_ids.shape[0]
     device = root_ids.device
-    if shape.budget == 1 or shape.depth == 0:
-        return _root_only_tree(root_ids)
+    if shape.depth == 0:
+        return root_only_tree(root_ids)
     ids, scores = expander.root_candidates(shape.topk)  # [B, K]
+    grow = shape.start(scores, scores, batch)
     width = ids.shape[1]
     cand_ids, cand_scores = [ids], [scores]
     cand_parents = [torch.full_like(ids, -1)]  # -1: parent is the root
@@ -136,14 +181,18 @@ def build_dynamic_tree(root_ids: Tensor, expander: TreeExpander, shape: TreeShap
     block_mask = torch.eye(width, dtype=torch.bool, device=device).expand(batch, width, width)
     num_cands = width
     for _ in range(shape.depth - 1):
+        if not grow:
+            break
         child_ids, child_logprobs = expander.expand(frontier_ids, parent_slots, block_mask, shape.topk)
         k_child = child_ids.shape[2]
         child_scores = (frontier_scores[:, :, None] + child_logprobs).flatten(1)  # [B, K*k]
+        child_parents = frontier_global[:, :, None].expand(-1, -1, k_child).flatten(1)
         cand_ids.append(child_ids.flatten(1))
         cand_scores.append(child_scores)
-        cand_parents.append(frontier_global[:, :, None].expand(-1, -1, k_child).flatten(1))
+        cand_parents.append(child_parents)
         cand_depths.append(torch.full_like(child_scores, len(cand_depths) + 1, dtype=torch.long))
         best = child_scores.topk(min(width, child_scores.shape[1]), dim=1).indices  # [B, K]
+        grow = shape.grow(child_parents, child_logprobs.flatten(1), child_scores, num_cands + best)
         parent_slots = best // k_child
         prev_rows = block_mask.gather(1, parent_slots[:, :, None].expand(-1, -1, block_mask.shape[2]))
         new_eye = torch.eye(best.shape[1], dtype=torch.bool, device=device).expand(batch, -1, -1)
@@ -153,17 +202,23 @@ def build_dynamic_tree(root_ids: Tensor, expander: TreeExpander, shape: TreeShap
         frontier_global = num_cands + best
         num_cands += child_scores.shape[1]
     expander.end_round()
+    all_scores = torch.cat(cand_scores, 1)
+    num_real = int(torch.isfinite(all_scores).sum(1).max())  # absent (-inf) children are never needed
+    num_keep = min(shape.num_nodes(), num_real)
+    if num_keep == 0:
+        return root_only_tree(root_ids)
     return _select_nodes(
         root_ids,
         torch.cat(cand_ids, 1),
-        torch.cat(cand_scores, 1),
+        all_scores,
         torch.cat(cand_parents, 1),
         torch.cat(cand_depths, 1),
-        shape.budget - 1,
+        num_keep,
     )
 
 
-def _root_only_tree(root_ids: Tensor) -> DraftTree:
+def root_only_tree(root_ids: Tensor) -> DraftTree:
+    """The tree of a plain step: the root alone ([B] ids)."""
     zeros = torch.zeros_like(root_ids)[:, None]
     return DraftTree(root_ids[:, None], zeros - 1, zeros, zeros.float())
 

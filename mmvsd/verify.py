@@ -38,7 +38,12 @@ class Verdict:
 
 def verify_greedy(tree: DraftTree, target_logits: Tensor) -> Verdict:
     """T = 0 verification. target_logits [B, N, V]: the target's logits at every tree node."""
-    target_next = target_logits.argmax(-1)  # [B, N] the target's choice after each node
+    return verify_greedy_choices(tree, target_logits.argmax(-1))
+
+
+def verify_greedy_choices(tree: DraftTree, target_next: Tensor) -> Verdict:
+    """T = 0 verification from the target's choice after each node, target_next [B, N] (its argmax;
+    the acceptance evaluator passes the known greedy continuation instead, so both share this rule)."""
     parent_choice = target_next.gather(1, tree.parents.clamp(min=0))
     matches = tree.token_ids == parent_choice
     matches[:, 0] = True  # the root is committed already
@@ -51,14 +56,39 @@ def verify_greedy(tree: DraftTree, target_logits: Tensor) -> Verdict:
 
 
 def target_probs(target_logits: Tensor, temperature: float) -> Tensor:
-    """Softmax of logits at `temperature` (> 0), in float32 for stable sampling."""
-    return torch.softmax(target_logits.float() / temperature, dim=-1)
+    """Softmax of logits at `temperature` (> 0), in float32 for stable sampling. The max is taken off
+    before dividing, so a tiny temperature gives the argmax one-hot, never inf - inf = NaN."""
+    logits = target_logits.float()
+    return torch.softmax((logits - logits.amax(-1, keepdim=True)) / temperature, dim=-1)
+
+
+DUPLICATE_STRIDE = 1_000_003  # seed offset of each repeat of one prompt within a batch
+Generators = torch.Generator | list[torch.Generator] | None  # one for the batch, or one per row
+
+
+def row_generator(generators: Generators, row: int) -> torch.Generator | None:
+    """Row `row`'s generator: per-row generators make a row's sample independent of its batch-mates."""
+    return generators[row] if isinstance(generators, (list, tuple)) else generators
+
+
+def renormalised(residual: Tensor, node_logits: Tensor, tried: list[int]) -> Tensor:
+    """`residual` / its sum; when float underflow left no mass (very low temperature), a one-hot on the
+    target's argmax among the tokens not tried yet (the T -> 0 limit of the residual)."""
+    total = residual.sum()
+    if total > 0 and torch.isfinite(total):
+        return residual / total
+    logits = node_logits.float().cpu().clone()
+    logits[tried] = float("-inf")
+    fallback = torch.zeros_like(residual)
+    fallback[int(logits.argmax())] = 1.0
+    return fallback
 
 
 def verify_sampling(
-    tree: DraftTree, target_logits: Tensor, temperature: float, generator: torch.Generator | None = None
+    tree: DraftTree, target_logits: Tensor, temperature: float, generator: Generators = None
 ) -> Verdict:
-    """T > 0 lossless multi-candidate rejection sampling, one row at a time (cheap: N nodes)."""
+    """T > 0 lossless multi-candidate rejection sampling, one row at a time (cheap: N nodes).
+    `generator`: one for the whole batch or a list with one per row."""
     probs = target_probs(target_logits, temperature).cpu()  # [B, N, V]
     token_ids = tree.token_ids.cpu()
     parents = tree.parents.cpu()
@@ -69,22 +99,24 @@ def verify_sampling(
     num_accepted = torch.zeros(batch, dtype=torch.long)
     bonus_ids = torch.zeros(batch, dtype=torch.long)
     for b in range(batch):
+        row_gen = row_generator(generator, b)
         node, depth = 0, 0
         path_nodes[b, 0] = 0
         while True:
             residual = probs[b, node].clone()
             children = (parents[b] == node).nonzero().flatten()
             children = children[torch.argsort(scores[b, children], descending=True, stable=True)]
-            accepted_child = -1
+            accepted_child, tried = -1, []
             for child in children.tolist():
                 token = int(token_ids[b, child])
-                if torch.rand((), generator=generator) < residual[token]:
+                if torch.rand((), generator=row_gen) < residual[token]:
                     accepted_child = child
                     break
                 residual[token] = 0.0
-                residual /= residual.sum()
+                tried.append(token)
+                residual = renormalised(residual, target_logits[b, node], tried)
             if accepted_child < 0:
-                bonus_ids[b] = int(torch.multinomial(residual, 1, generator=generator))
+                bonus_ids[b] = int(torch.multinomial(residual, 1, generator=row_gen))
                 break
             node, depth = accepted_child, depth + 1
             path_nodes[b, depth] = node
@@ -93,18 +125,33 @@ def verify_sampling(
     return Verdict(path_nodes.to(device), num_accepted.to(device), bonus_ids.to(device))
 
 
-def verify(
-    tree: DraftTree, target_logits: Tensor, temperature: float, generator: torch.Generator | None = None
-) -> Verdict:
+def verify(tree: DraftTree, target_logits: Tensor, temperature: float, generator: Generators = None) -> Verdict:
     """Verify `tree` greedily (temperature 0) or by lossless rejection sampling."""
     if temperature <= 0:
         return verify_greedy(tree, target_logits)
     return verify_sampling(tree, target_logits, temperature, generator)
 
 
-def sample_next(target_logits: Tensor, temperature: float, generator: torch.Generator | None = None) -> Tensor:
-    """The target's own next token from logits [B, V]: argmax at T = 0, else a sample."""
+def sample_next(target_logits: Tensor, temperature: float, generator: Generators = None) -> Tensor:
+    """The target's own next token from logits [B, V]: argmax at T = 0, else a sample (one generator for
+    the batch, or a list with one per row)."""
     if temperature <= 0:
         return target_logits.argmax(-1)
-    probs = target_probs(target_logits, temperature)
-    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(target_logits.device)
+    probs = target_probs(target_logits, temperature).cpu()  # [B, V]
+    if not isinstance(generator, (list, tuple)):
+        return torch.multinomial(probs, 1, generator=generator).squeeze(1).to(target_logits.device)
+    rows = [torch.multinomial(probs[b], 1, generator=generator[b]) for b in range(probs.shape[0])]
+    return torch.cat(rows).to(target_logits.device)
+
+
+def row_generators(prompt_ids: list[list[int]], seed: int) -> list[torch.Generator]:
+    """One CPU generator per sequence, seeded from `seed` alone, so a prompt's sample is the same alone or
+    in a batch (as vLLM's per-request seeds). The k-th repeat of an identical prompt in one batch gets
+    seed + k * DUPLICATE_STRIDE, so repeats are independent samples rather than copies."""
+    seen: dict[tuple[int, ...], int] = {}
+    generators = []
+    for ids in prompt_ids:
+        repeat = seen.get(tuple(ids), 0)
+        seen[tuple(ids)] = repeat + 1
+        generators.append(torch.Generator().manual_seed(seed + repeat * DUPLICATE_STRIDE))
+    return generators

@@ -67,22 +67,39 @@ def length_weights(
     return torch.as_tensor(base, dtype=dtype, device=device) ** lengths
 
 
+def prefix_matches(path_ids: Tensor, greedy_ids: Tensor) -> Tensor:
+    """Whether each prefix z_<=l of a path is token-identical to z_bar_<=l.
+
+    path_ids [A, S, L], greedy_ids [A, L] -> [A, S, L] bool (True up to the first differing token).
+    """
+    same = path_ids == greedy_ids.unsqueeze(SAMPLE_DIM)
+    return same.long().cumprod(-1).bool()
+
+
 def oracle(
-    log_kappa: Tensor, greedy_log_kappa: Tensor, weights: Tensor, mask: Tensor | None = None
+    log_kappa: Tensor, greedy_log_kappa: Tensor, weights: Tensor, mask: Tensor | None = None,
+    ties: Tensor | None = None,
 ) -> Tensor:
     """Alg. 2: o(z_<=l, x) = w(l) * 1[log kappa(x, z_<=l) >= log kappa(x, z_bar_<=l)], per prefix.
 
     The oracle is evaluated separately for every prefix length l and sample s (Alg. 1 loops over
     l and s); it is not combined over l here. The combination is the sum over (l, s) normalised by
     sum o' in eq. basic / advance, done in `vsd_surrogate`.
+    Ties: a prefix token-identical to z_bar_<=l has exactly z_bar's kappa, so ">=" holds; in
+    practice the two are scored in different forwards and their log-probs differ by ~1e-6, which
+    would make an identical path fail about half the time. `ties` (from `prefix_matches`) marks
+    those prefixes, and they pass.
     log_kappa        [A, S, L]: log kappa of each sampled path's prefixes (`path_log_kappa`)
     greedy_log_kappa [A, L]:    log kappa of the target's greedy path z_bar (p_theta^(1)) under the
                                 same drafter, i.e. `path_log_kappa` on the greedy tokens
     weights          [L]:       w(l) from `length_weights`
     mask             [A, S, L]: False on padded prefixes (oracle 0 there)
+    ties             [A, S, L]: True where the prefix is token-identical to z_bar's (passes)
     returns          [A, S, L]
     """
     passed = log_kappa >= greedy_log_kappa.unsqueeze(SAMPLE_DIM)
+    if ties is not None:
+        passed = passed | ties.bool()
     if mask is not None:
         passed = passed & mask.bool()
     return passed.to(weights.dtype) * weights
@@ -114,12 +131,17 @@ def leave_one_out_acceptance(
     return torch.where(has_others, beta, torch.zeros_like(beta))
 
 
+CAR_NORMALISATIONS = ("sum", "mean")
+CAR_SCALES = ("prob", "log")
+
+
 def car_weights(
     draft_proposal_path_logprobs: Tensor,
     temperature: float = 0.2,
     mask: Tensor | None = None,
     *,
     on_log_scale: bool = False,
+    normalisation: str = "sum",
     sample_dim: int = SAMPLE_DIM,
 ) -> Tensor:
     """CAR weight zeta (eq. zeta_update): softmax over the S proposals of draft confidence / tau.
@@ -128,17 +150,25 @@ def car_weights(
     confidence c as q_psi(z~_<=l | x), the path *probability*, which is the default here; with
     on_log_scale=True c = log q_psi(z~_<=l | x) instead (much sharper: path log-probs differ by
     whole nats). Implementation Details: tau = 0.2.
+    normalisation="sum" is the literal softmax (sums to 1 over S, so beta*zeta is ~beta/S);
+    "mean" multiplies it by the number of unmasked samples (mean 1 over S, so CAR only
+    redistributes the ARW correction among the samples instead of shrinking it by ~1/S).
     draft_proposal_path_logprobs [A, S, L]: log q_psi(z~^{(s)}_<=l | x)
     mask                         [A, S, L]: False on padded prefixes (weight 0, not in the sum)
-    returns                      [A, S, L], detached, sums to 1 over S (0 where all S are masked)
+    returns                      [A, S, L], detached (0 where all S are masked)
     """
+    if normalisation not in CAR_NORMALISATIONS:
+        raise ValueError(f"normalisation={normalisation!r} is not one of {CAR_NORMALISATIONS}")
     logprobs = draft_proposal_path_logprobs.detach().float()
     confidence = logprobs if on_log_scale else logprobs.exp()
     scores = confidence / temperature
     if mask is not None:
         scores = scores.masked_fill(~mask.bool(), float("-inf"))
-    zeta = torch.softmax(scores, dim=sample_dim)
-    return torch.nan_to_num(zeta, nan=0.0)  # a column with every sample masked
+    zeta = torch.nan_to_num(torch.softmax(scores, dim=sample_dim), nan=0.0)  # a column with every sample masked
+    if normalisation == "mean":
+        valid = torch.ones_like(zeta) if mask is None else mask.to(zeta.dtype)
+        zeta = zeta * valid.sum(sample_dim, keepdim=True)
+    return zeta
 
 
 def vsd_surrogate(
@@ -171,7 +201,8 @@ def vsd_surrogate(
     proposal_passed              [A, S, L]: o~ > 0, for metrics only
     beta, zeta                   [A, S, L]: from `leave_one_out_acceptance`, `car_weights`
     mask                         [A, S, L]: False on padded prefixes
-    returns loss [], metrics {oracle_pass_rate, final_pass_rate, mean_beta, num_anchors_used}
+    returns loss [], metrics {oracle_pass_rate (proposals kept), final_pass_rate, mean_beta, mean_zeta,
+                              mean_correction (beta*zeta as applied), num_anchors_used}
     """
     valid = torch.ones_like(final_oracle, dtype=torch.bool) if mask is None else mask.bool()
     final_weight = final_oracle.detach() * valid.to(final_oracle.dtype)  # [A, S, L]
@@ -186,20 +217,50 @@ def vsd_surrogate(
     per_anchor = weighted / torch.where(used, total_weight, torch.ones_like(total_weight))
     num_used = used.sum()
     loss = -(per_anchor * used).sum() / num_used.clamp(min=1)
-    metrics = _surrogate_metrics(proposal_passed, final_weight, beta, valid, num_used)
+    metrics = _surrogate_metrics(proposal_passed, final_weight, beta, zeta, correction, valid, num_used)
     return loss, metrics
 
 
 def _surrogate_metrics(
-    proposal_passed: Tensor, final_weight: Tensor, beta: Tensor, valid: Tensor, num_used: Tensor
+    proposal_passed: Tensor, final_weight: Tensor, beta: Tensor, zeta: Tensor, correction: Tensor, valid: Tensor,
+    num_used: Tensor,
 ) -> dict[str, Tensor]:
     """Detached diagnostics of one surrogate evaluation, averaged over unpadded prefixes."""
     count = valid.sum().clamp(min=1)
+
+    def mean(values: Tensor) -> Tensor:
+        return (values.detach().float() * valid).sum() / count
+
     return {
-        "oracle_pass_rate": ((proposal_passed.bool() & valid).sum() / count).detach(),
-        "final_pass_rate": (((final_weight > 0) & valid).sum() / count).detach(),
-        "mean_beta": ((beta.detach() * valid).sum() / count).detach(),
+        "oracle_pass_rate": mean(proposal_passed.bool()),
+        "final_pass_rate": mean(final_weight > 0),
+        "mean_beta": mean(beta),
+        "mean_zeta": mean(zeta),
+        "mean_correction": mean(correction),
         "num_anchors_used": num_used.detach(),
+    }
+
+
+def oracle_diagnostics(
+    proposal_log_kappa: Tensor, greedy_log_kappa: Tensor, correction_passed: Tensor, mask: Tensor
+) -> dict[str, Tensor]:
+    """E-step diagnostics beside the surrogate's: how hard the oracle's reference z_bar is to beat.
+
+    correction_pass_rate   share of corrections (target samples) that pass the oracle
+    greedy_kappa_one_rate  share of anchors with kappa(z_bar_<=L) = 1 (then only kappa = 1 passes)
+    mean_log_kappa         mean over proposals of log kappa(z~_<=L): the ELBO's E_q[log kappa] at l = L
+    proposal_log_kappa [A, S, L], greedy_log_kappa [A, L], correction_passed [A, S, L] bool,
+    mask [A, S, L] bool (an anchor is used when any of its prefixes is)
+    """
+    valid = mask.bool()
+    count = valid.sum().clamp(min=1)
+    anchor_used = valid.flatten(1).any(1)  # [A]
+    last_valid = valid[..., -1]  # [A, S]
+    return {
+        "correction_pass_rate": (correction_passed.bool() & valid).sum() / count,
+        "greedy_kappa_one_rate": ((greedy_log_kappa[:, -1].detach() >= 0) & anchor_used).sum()
+        / anchor_used.sum().clamp(min=1),
+        "mean_log_kappa": (proposal_log_kappa[..., -1].detach() * last_valid).sum() / last_valid.sum().clamp(min=1),
     }
 
 

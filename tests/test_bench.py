@@ -51,7 +51,7 @@ def test_text_suite_writes_table_json_csv_records_and_plots(text_run):
     results = json.loads((text_run / "results.json").read_text())
     assert results["config"]["suite"] == "text" and results["versions"]["torch"] and results["machine"]["cpu_count"]
     rows = results["rows"]
-    methods = {"vanilla", "hf", "pld", "tree", "tree:fitted"}
+    methods = {"vanilla", "vanilla@b1", "hf", "pld", "tree:random", "tree:fitted"}
     assert {r["method"] for r in rows} == methods
     assert {r["benchmark"] for r in rows} == {"mt_bench", "humaneval", "gsm8k", "average"}
     assert {r["temperature"] for r in rows} == {0.0, 1.0}
@@ -59,10 +59,13 @@ def test_text_suite_writes_table_json_csv_records_and_plots(text_run):
     assert len(records) == 2 * 3 * 2 * len(methods)  # temperatures x benchmarks x items x methods
     assert all(len(r["output_ids"]) == 2 for r in records if r["benchmark"] == "mt_bench")  # both turns
     zero = [r for r in rows if r["temperature"] == 0.0]
-    assert all(r["lossless_mismatches"] == 0 for r in zero if r["method"].startswith("tree"))
+    assert all(r["lossless_mismatches"] == 0 for r in zero if r["method"] != "vanilla")  # every method checked
     vanilla = next(r for r in zero if r["method"] == "vanilla" and r["benchmark"] == "gsm8k")
     assert vanilla["sr"] == pytest.approx(1.0) and vanilla["tau"] == pytest.approx(1.0)
+    assert vanilla["batch_size"] == 2 and next(r for r in zero if r["method"] == "hf")["batch_size"] == 1
     assert all(r["tau"] is None for r in rows if r["method"] in ("hf", "pld"))
+    assert all(r["sr"] is not None for r in zero if r["method"] == "hf")  # vs vanilla@b1, same batch size
+    assert all(r["sr_vs_hf"] is None for r in zero if r["method"] == "tree:fitted")  # batch 2 vs batch 1: no ratio
     table = (text_run / "table.md").read_text()
     for row in (r for r in zero if r["benchmark"] != "average" and r["method"] == "tree:fitted"):
         assert f"{row['sr']:.2f} | {row['tau']:.2f}" in table  # the table shows the JSON's numbers
@@ -85,6 +88,7 @@ def test_planted_mismatch_is_flagged_with_the_target_margin(tiny_dir):
     items = load_items("gsm8k", 1)
     records = run_batch(target, [vanilla, Method("tree:broken", corrupt, True)], items, 0.0, config)
     broken = next(r for r in records if r.method == "tree:broken")
+    assert broken.batch_wall_seconds > 0 and broken.batch_id
     assert broken.mismatch["position"] == 3 and broken.mismatch["turn"] == 0
     assert isinstance(broken.mismatch["logit_margin"], float) and broken.mismatch["logit_margin"] >= 0
     assert next(r for r in records if r.method == "vanilla").mismatch is None
@@ -149,15 +153,20 @@ def test_accuracy_checks():
 
 def test_mllm_suite_runs_the_offline_tasks_through_lmms_eval(llava_dir, tmp_path):
     out = tmp_path / "mllm"
-    code = bench(["--suite", "mllm", "--limit", "2", "--target", str(llava_dir), "--methods", "vanilla,hf,tree",
+    code = bench(["--suite", "mllm", "--limit", "2", "--target", str(llava_dir), "--methods", "vanilla,hf,pld,tree",
                   "--max-new-tokens", "6", "--out", str(out)])
     assert code == 0
     rows = json.loads((out / "results.json").read_text())["rows"]
     tasks = {r["benchmark"] for r in rows} - {"average"}
     assert tasks == {f"{name}_mini_long" for name in ("vqav2_val", "ai2d", "chartqa", "textvqa_val", "scienceqa_img",
                                                       "hallusion_bench_image")}  # no real dataset here
-    assert all(r["lossless_mismatches"] == 0 for r in rows if r["method"] == "tree" and r["benchmark"] != "average")
-    assert all(r["accuracy"] is not None for r in rows)  # lmms-eval's own process_results scored every answer
+    assert all(r["lossless_mismatches"] == 0 for r in rows if r["method"] == "tree:random" and r["benchmark"] != "average")
+    assert all(r["synthetic"] for r in rows)
+    assert "(synthetic)" in (out / "table.md").read_text()
+    assert all(r["accuracy"] is not None for r in rows if r["method"] != "pld")  # lmms-eval's process_results
+    pld = [r for r in rows if r["method"] == "pld"]
+    assert pld and all(r["refused"] and r["sr"] is None for r in pld)  # no silent number without the image
+    assert all(r["lossless_mismatches"] == 0 for r in rows if r["method"] == "hf" and r["benchmark"] != "average")
     assert len(list((out / "images").glob("*.png"))) == 12  # the images the adapter read, kept with the results
 
 

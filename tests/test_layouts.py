@@ -314,7 +314,7 @@ def test_export_command(tmp_path, capsys):
         export_cli(["--drafter", str(tmp_path / "ours"), "--format", "eagle3", str(out)])
     export_cli(["--drafter", str(tmp_path / "ours"), "--format", "eagle3", "--force", str(out)])
     assert_same_tensors(load_file(str(out / "model.safetensors")), first)
-    with pytest.raises(UserError, match="unknown checkpoint layout 'vllm'; registered: eagle3, hf"):
+    with pytest.raises(UserError, match="unknown checkpoint layout .vllm.; registered: eagle3, hf, msd, speculators"):
         export_cli(["--drafter", str(tmp_path / "ours"), "--format", "vllm", str(tmp_path / "x")])
     with pytest.raises(UserError, match="not an mmvsd drafter folder"):
         export_cli(["--drafter", str(out), "--format", "hf", str(tmp_path / "y")])
@@ -332,3 +332,72 @@ def test_train_init_keeps_the_errors_for_folders_of_ours(tiny_target, tmp_path):
             build_drafter(config, tiny_target, [])
     with pytest.raises(UserError, match="--init 'eagle4'"):  # before any target is loaded
         check_init(TrainConfig(target="no-such-target", init="eagle4"))
+
+
+def test_eagle3_export_states_what_readers_would_otherwise_assume(tiny_target, tmp_path):
+    drafter = small_drafter(tiny_target)
+    drafter.config.max_position_embeddings = 256  # e.g. a drafter trained with a short context
+    drafter.save_pretrained(tmp_path / "ours")
+    export_drafter(tmp_path / "ours", "eagle3", tmp_path / "e3", target=tiny_target)
+    config = json.loads((tmp_path / "e3" / "config.json").read_text())
+    assert config["norm_before_residual"] is False  # vLLM assumes true when absent
+    assert config["max_position_embeddings"] >= tiny_target.max_positions > 256
+    assert config["eagle_aux_hidden_state_layer_ids"] == config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] \
+        == list(tiny_target.aux_layer_ids)
+    broken = json.loads((tmp_path / "e3" / "config.json").read_text())
+    (tmp_path / "e3" / "config.json").write_text(json.dumps({**broken, "norm_before_residual": True}))
+    with pytest.raises(UserError, match="norm_before_residual"):
+        load_eagle3(tmp_path / "e3", tiny_target)
+
+
+def speculators_target() -> Target:
+    return Target(make_tiny_llama(), None, "tiny-llama", aux_layer_ids=(0, 1, 2))  # speculators needs distinct ids
+
+
+def test_speculators_export_is_the_speculators_layout_and_round_trips(tmp_path):
+    target = speculators_target()
+    drafter = small_drafter(target)
+    drafter.save_pretrained(tmp_path / "ours")
+    out = export_drafter(tmp_path / "ours", "speculators", tmp_path / "spec", target=target)
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3" and config["architectures"] == ["Eagle3Speculator"]
+    layer = config["transformer_layer_config"]
+    assert (layer["model_type"], layer["num_hidden_layers"], layer["hidden_size"], layer["vocab_size"]) == \
+        ("llama", 1, H, V)
+    assert (config["draft_vocab_size"], config["target_hidden_size"]) == (len(DRAFT_IDS), H)
+    assert config["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2] and config["norm_before_residual"] is False
+    speculators = config["speculators_config"]
+    assert speculators["algorithm"] == "eagle3" and speculators["default_proposal_method"] == "greedy"
+    assert speculators["proposal_methods"][0]["proposal_type"] == "greedy"
+    assert speculators["verifier"]["name_or_path"] == "tiny-llama"
+    tensors = load_file(str(out / "model.safetensors"))
+    renamed = {k.replace("midlayer.", "layers.0.") for k in RELEASED_KEYS}
+    assert set(tensors) == renamed | {"embed_tokens.weight"}
+    assert torch.equal(tensors["embed_tokens.weight"], target.input_embeddings.weight.detach())
+    loaded = resolve_init(str(out), target.name).load(target)  # a plain PATH is recognised as speculators
+    assert type(resolve_init(str(out), target.name).layout).__name__ == "SpeculatorsLayout"
+    assert torch.equal(draft_logprobs(loaded), draft_logprobs(drafter))
+
+
+@pytest.mark.parametrize(("fmt", "message"), [
+    ("vllm", "unknown checkpoint layout 'vllm'; registered: eagle3, hf, msd, speculators, vispec"),
+    ("eagle3", "--format eagle3 holds 'eagle3' drafters (vLLM and SGLang serve only EAGLE-3-style drafters); "),
+    ("speculators", "--format speculators holds 'eagle3' drafters (vLLM and SGLang serve only EAGLE-3-style"),
+])
+def test_export_bad_input_is_one_clear_message(llava_target, tmp_path, fmt, message):
+    from mmvsd.drafters.msd import MSDDrafter
+
+    MSDDrafter.from_target(llava_target).save_pretrained(tmp_path / "msd")
+    with pytest.raises(UserError) as err:
+        export_drafter(tmp_path / "msd", fmt, tmp_path / "out", target=llava_target)
+    assert message in str(err.value)
+    assert fmt == "vllm" or "'msd' drafter, which it cannot represent (its own layouts: hf, msd)" in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_speculators_export_refuses_repeated_feature_layers(tiny_target, tmp_path):
+    small_drafter(tiny_target).save_pretrained(tmp_path / "ours")
+    if len(set(tiny_target.aux_layer_ids)) == len(tiny_target.aux_layer_ids):
+        pytest.skip("the tiny target's default feature layers are distinct")
+    with pytest.raises(UserError, match="speculators refuses"):
+        export_drafter(tmp_path / "ours", "speculators", tmp_path / "spec", target=tiny_target)

@@ -1,12 +1,16 @@
-"""The `ce` and top-K KL objectives against explicit per-position loops."""
+"""The objectives against explicit loops: `ce`, the top-K KL at every depth, the weight formulas of
+`vsd-kl` and `ce+vsd`, and one clear error (exit 2) for loss settings that cannot train."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from mmvsd.cli import main
 from mmvsd.drafters.eagle3 import Eagle3Drafter
+from mmvsd.errors import UserError
 from mmvsd.features import TokenBatch, capture_features
-from mmvsd.objectives import ObjectiveConfig, ce_loss, topk_kl_loss
+from mmvsd.objectives import ObjectiveConfig, ce_loss, make_objective, topk_kl_loss, vsd_loss
 from mmvsd.unroll import unroll_draft_steps
 
 VOCAB = 128
@@ -51,19 +55,119 @@ def test_ce_loss_matches_explicit_loop(tiny_target):
     torch.testing.assert_close(loss, expected)
 
 
-def test_topk_kl_matches_explicit_loop(tiny_target):
+@pytest.mark.parametrize("kl_depth", ["all", "first"])
+def test_topk_kl_matches_explicit_loop_at_every_depth(tiny_target, kl_depth):
     batch, drafter = setup(tiny_target)
-    step0 = unroll_draft_steps(drafter, batch.features, torch.roll(batch.tokens.input_ids, -1, 1), 1)[0]
-    kl = topk_kl_loss(drafter, tiny_target, batch, step0, top_k=5)
+    config = ObjectiveConfig(ttt_steps=3, ttt_decay=0.7, kl_topk=5, kl_depth=kl_depth)
+    kl, metrics = topk_kl_loss(drafter, tiny_target, batch, config)
+    next_ids = torch.roll(batch.tokens.input_ids, -1, 1)
+    hiddens = unroll_draft_steps(drafter, batch.features, next_ids, 3)
     full_logits = tiny_target.logits(batch.target_hidden)
-    values = []
-    for b in range(2):
-        for t in range(10):
-            if not batch.tokens.loss_mask[b, t + 2]:
-                continue
-            target_draft_logits = full_logits[b, t + 1, 28:].float()
-            top = target_draft_logits.topk(5).indices
-            p_hat = torch.softmax(target_draft_logits[top], -1)
-            q_hat = torch.softmax(drafter.draft_logits(step0[b, t]).float()[top], -1)
-            values.append((p_hat * (p_hat.log() - q_hat.log())).sum())
-    torch.testing.assert_close(kl, torch.stack(values).mean())
+    expected = 0.0
+    for step in range(3 if kl_depth == "all" else 1):
+        values = []
+        for b in range(2):
+            for t in range(12):
+                label_pos = t + 2 + step
+                if label_pos >= 12 or not batch.tokens.loss_mask[b, label_pos]:
+                    continue
+                target_draft_logits = full_logits[b, label_pos - 1, 28:].float()
+                top = target_draft_logits.topk(5).indices
+                p_hat = torch.softmax(target_draft_logits[top], -1)
+                q_hat = torch.softmax(drafter.draft_logits(hiddens[step][b, t]).float()[top], -1)
+                values.append((p_hat * (p_hat.log() - q_hat.log())).sum())
+        expected = expected + 0.7**step * torch.stack(values).mean()
+    torch.testing.assert_close(kl, expected)
+    assert metrics["topk_kl"] == pytest.approx(float(expected.detach()), rel=1e-5)
+    assert ("topk_kl_2" in metrics) == (kl_depth == "all")
+
+
+# ---------------------------------------------------------------- weight formulas
+
+SMALL_VSD = dict(num_samples=3, path_length=3, num_anchors=2, ttt_steps=2)
+
+
+def objective_value(name: str, config: ObjectiveConfig, drafter, target, batch) -> tuple[torch.Tensor, dict]:
+    return make_objective(name, config)(drafter, target, batch, torch.Generator().manual_seed(5))
+
+
+def vsd_value(config: ObjectiveConfig, drafter, target, batch) -> torch.Tensor:
+    return vsd_loss(drafter, target, batch, config, torch.Generator().manual_seed(5))[0]
+
+
+def test_ce_plus_vsd_is_ce_weight_ce_plus_vsd_weight_vsd(tiny_target):
+    batch, drafter = setup(tiny_target)
+    config = ObjectiveConfig(**SMALL_VSD, ce_weight=0.3, vsd_weight=2.5)
+    loss, metrics = objective_value("ce+vsd", config, drafter, tiny_target, batch)
+    ce = ce_loss(drafter, tiny_target, batch, config)[0]
+    vsd = vsd_value(config, drafter, tiny_target, batch)
+    assert abs(float(ce)) > 1e-3 and abs(float(vsd)) > 1e-3
+    torch.testing.assert_close(loss, 0.3 * ce + 2.5 * vsd)
+    assert {"ce", "vsd", "acc_0", "oracle_pass_rate"} <= set(metrics)
+    # the provisional default reading: vsd + 0.1 * ce
+    default, _ = objective_value("ce+vsd", ObjectiveConfig(**SMALL_VSD), drafter, tiny_target, batch)
+    torch.testing.assert_close(default, 0.1 * ce + 1.0 * vsd)
+    # a zero weight drops its term: ce+vsd with ce_weight=0 is the vsd ablation
+    no_ce, no_ce_metrics = objective_value("ce+vsd", ObjectiveConfig(**SMALL_VSD, ce_weight=0.0), drafter,
+                                           tiny_target, batch)
+    torch.testing.assert_close(no_ce, vsd)
+    assert "ce" not in no_ce_metrics
+
+
+def test_vsd_kl_is_vsd_plus_kl_alpha_kl_and_vsd_is_vsd_alone(tiny_target):
+    batch, drafter = setup(tiny_target)
+    config = ObjectiveConfig(**SMALL_VSD, kl_alpha=0.37, kl_topk=5, ce_weight=0.5, vsd_weight=3.0)
+    loss, metrics = objective_value("vsd-kl", config, drafter, tiny_target, batch)
+    vsd = vsd_value(config, drafter, tiny_target, batch)
+    kl = topk_kl_loss(drafter, tiny_target, batch, config)[0]
+    assert float(kl) > 1e-3
+    torch.testing.assert_close(loss, vsd + 0.37 * kl)  # ce_weight / vsd_weight concern ce+vsd only
+    assert metrics["topk_kl"] == pytest.approx(float(kl), rel=1e-5)
+    alone, _ = objective_value("vsd", config, drafter, tiny_target, batch)
+    torch.testing.assert_close(alone, vsd)
+    ce_only, _ = objective_value("ce", config, drafter, tiny_target, batch)
+    torch.testing.assert_close(ce_only, ce_loss(drafter, tiny_target, batch, config)[0])
+
+
+# ---------------------------------------------------------------- bad loss settings
+
+BAD_LOSS = {
+    "car_normalisation": (["loss.car_normalisation=foo"], "loss.car_normalisation='foo' is not one of sum, mean"),
+    "car_scale": (["loss.car_scale=linear"], "loss.car_scale='linear' is not one of prob, log"),
+    "kl_depth": (["loss.kl_depth=2"], "loss.kl_depth='2' is not one of all, first"),
+    "zbar_vocab": (["loss.zbar_vocab=target"], "loss.zbar_vocab='target' is not one of draft, full"),
+    "negative ce_weight": (["loss.ce_weight=-0.1"], "loss.ce_weight must be >= 0, got -0.1"),
+    "negative vsd_weight": (["loss.vsd_weight=-1"], "loss.vsd_weight must be >= 0, got -1.0"),
+    "negative kl_alpha": (["--objective", "vsd-kl", "loss.kl_alpha=-0.1"], "loss.kl_alpha must be >= 0"),
+    "nan weight": (["loss.vsd_weight=.nan"], "loss.vsd_weight must be >= 0, got nan"),
+    "zero temperature": (["loss.car_temperature=0"], "loss.car_temperature must be > 0"),
+    "all weights zero": (["loss.ce_weight=0", "loss.vsd_weight=0"],
+                         "objective=ce+vsd trains nothing with loss.ce_weight=0, loss.vsd_weight=0"),
+    "unknown key": (["loss.alpha=0.1"], "unknown config key 'loss.alpha'"),
+    "wrong type": (["loss.ce_weight=abc"], "loss.ce_weight: expected float, got 'abc'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_LOSS))
+def test_bad_loss_settings_are_one_clear_error_exit_2(tmp_path, capsys, case):
+    extra, message = BAD_LOSS[case]
+    out = tmp_path / "out"
+    argv = ["train", "--target", str(tmp_path / "no-target"), "--output", str(out), "--objective", "ce+vsd", *extra]
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mmvsd: error:") and message in lines[0], err
+    assert not out.exists()
+
+
+def test_validate_rejects_weights_that_train_nothing_only_for_the_terms_used():
+    ObjectiveConfig(ce_weight=0.0, vsd_weight=0.0).validate("vsd")  # vsd alone does not read them
+    ObjectiveConfig(kl_alpha=0.0).validate("vsd-kl")  # vsd still trains
+    ObjectiveConfig(ce_weight=0.0).validate("ce+vsd")  # the vsd ablation through ce+vsd
+    with pytest.raises(UserError, match="trains nothing"):
+        ObjectiveConfig(ce_weight=0.0, vsd_weight=0.0).validate("ce+vsd")
+    with pytest.raises(UserError, match="unknown objective"):
+        make_objective("vsd+kl", ObjectiveConfig())
+    with pytest.raises(UserError, match="car_normalisation"):
+        make_objective("vsd", ObjectiveConfig(car_normalisation="foo"))

@@ -10,12 +10,15 @@ import torch
 from scipy.special import rel_entr
 from scipy.special import softmax as scipy_softmax
 
+from mmvsd.estep import EStepPaths
+from mmvsd.objectives import ObjectiveConfig, vsd_m_step
 from mmvsd.vsd import (
     car_weights,
     expected_accepted_length,
     leave_one_out_acceptance,
     length_weights,
     oracle,
+    oracle_diagnostics,
     path_log_kappa,
     prefix_logprobs,
     topk_renormalised_kl,
@@ -76,6 +79,12 @@ def test_oracle_matches_loop() -> None:
         assert float(got[a, s, l]) == (1.05 ** (l + 1) if ok else 0.0)
     assert (got[1, 2] > 0).eq(mask[1, 2]).all()
     assert 0 < (got > 0).float().mean() < 1  # the test data exercise both outcomes
+    ties = torch.zeros(3, 6, 4, dtype=torch.bool)
+    ties[0, :, 0] = True  # declared ties pass whatever their log kappa, unless masked
+    with_ties = oracle(log_kappa, greedy_log_kappa, weights, mask, ties)
+    assert ((with_ties[0, :, 0] > 0) == mask[0, :, 0]).all()
+    assert (with_ties[:, :, 1:] == got[:, :, 1:]).all() and (with_ties[1:] == got[1:]).all()
+    assert (got[0, :, 0] == 0).any()  # the ties changed something
 
 
 # ---------------------------------------------------------------- ARW beta, CAR zeta
@@ -116,6 +125,22 @@ def test_car_weights_match_scipy_softmax() -> None:
     got_log = car_weights(path_lp, temperature=0.2, on_log_scale=True)
     np.testing.assert_allclose(got_log.numpy(), scipy_softmax(path_lp.numpy() / 0.2, axis=1), rtol=1e-5)
     np.testing.assert_allclose(got.sum(1).numpy(), 1.0, rtol=1e-6)
+
+
+def test_car_mean_normalisation_is_num_valid_times_softmax() -> None:
+    path_lp = random_logprobs(2, 5, 3, seed=12).cumsum(-1)
+    mask = torch.ones(2, 5, 3, dtype=torch.bool)
+    mask[0, 1:3, 2] = False
+    literal = car_weights(path_lp, 0.2, mask)
+    mean = car_weights(path_lp, 0.2, mask, normalisation="mean")
+    num_valid = mask.sum(1, keepdim=True)
+    torch.testing.assert_close(mean, literal * num_valid)
+    torch.testing.assert_close(mean.sum(1), num_valid[:, 0].float())  # mean 1 over the valid samples
+    assert (mean[~mask] == 0).all()
+    log_mean = car_weights(path_lp, 0.2, mask, normalisation="mean", on_log_scale=True)
+    torch.testing.assert_close(log_mean, car_weights(path_lp, 0.2, mask, on_log_scale=True) * num_valid)
+    with pytest.raises(ValueError):
+        car_weights(path_lp, 0.2, normalisation="max")
 
 
 def test_car_weights_limits_and_mask() -> None:
@@ -287,72 +312,145 @@ def test_expected_accepted_length_matches_enumeration() -> None:
 # ---------------------------------------------------------------- toy EM: the objective helps
 
 
-def toy_e_step(target_logprobs: torch.Tensor, draft_logits: torch.Tensor, num_samples: int, gen: torch.Generator):
-    """Alg. 1 E-step for one anchor with context-free per-step distributions [L, V]."""
-    num_lengths = target_logprobs.shape[0]
-    draft_logprobs = torch.log_softmax(draft_logits.detach(), -1)
-    steps = torch.arange(num_lengths)
-    proposal_ids = torch.multinomial(draft_logprobs.exp(), num_samples, replacement=True, generator=gen).T  # [S, L]
-    # one fresh target correction per (s, l): [S, L(prefix), L(position)]
-    correction_ids = torch.multinomial(
-        target_logprobs.exp(), num_samples * num_lengths, replacement=True, generator=gen
-    ).T.reshape(num_samples, num_lengths, num_lengths)
-    greedy_ids = target_logprobs.argmax(-1)  # [L] z_bar from p_theta^(1)
-    weights = length_weights(num_lengths)
-
-    def log_kappa(ids: torch.Tensor) -> torch.Tensor:
-        return path_log_kappa(target_logprobs[steps, ids], draft_logprobs[steps, ids])
-
-    greedy_log_kappa = log_kappa(greedy_ids)[None]  # [1, L]
-    proposal_oracle = oracle(log_kappa(proposal_ids)[None], greedy_log_kappa, weights)  # [1, S, L]
-    correction_log_kappa = log_kappa(correction_ids).diagonal(dim1=-2, dim2=-1)  # [S, L]
-    correction_oracle = oracle(correction_log_kappa[None], greedy_log_kappa, weights)
-    passed = proposal_oracle > 0
-    final_oracle = torch.where(passed, proposal_oracle, correction_oracle)  # o'
-    # the final path for prefix l: the proposal's prefix if kept, else the correction
-    kept_ids = proposal_ids[:, None, :].expand(-1, num_lengths, -1)
-    final_ids = torch.where(passed[0, :, :, None], kept_ids, correction_ids)  # [S, L, L]
-    proposal_path_lp = prefix_logprobs(draft_logprobs[steps, proposal_ids])[None]
-    return {
-        "final_ids": final_ids[None],
-        "proposal_ids": kept_ids[None],
-        "final_oracle": final_oracle,
-        "proposal_passed": passed,
-        "beta": leave_one_out_acceptance(passed, final_oracle),
-        "zeta": car_weights(proposal_path_lp, temperature=0.2),
-    }
-
-
-def run_toy_em(sign: float, seed: int = 11) -> tuple[float, float]:
-    """A few EM iterations; returns the exact expected accepted length (eq. EA_def) before and after."""
+def toy_problem(seed: int = 11, num_lengths: int = 4, vocab: int = 6):
+    """Context-free per-step target log-probs [L, V] and drafter logits [L, V] (the drafter's parameters)."""
     gen = torch.Generator().manual_seed(seed)
-    num_lengths, vocab = 4, 6
-    target_logprobs = torch.log_softmax(torch.randn(num_lengths, vocab, generator=gen) * 1.5, -1)
-    draft_logits = (torch.randn(num_lengths, vocab, generator=gen) * 1.5).requires_grad_()
+    target_logprobs = torch.log_softmax(torch.randn(num_lengths, vocab, generator=gen, dtype=torch.float64) * 1.5, -1)
+    draft_logits = (torch.randn(num_lengths, vocab, generator=gen, dtype=torch.float64) * 1.5).requires_grad_()
+    return target_logprobs, draft_logits
+
+
+def toy_e_step(target_logprobs: torch.Tensor, draft_logits: torch.Tensor, num_anchors: int, num_samples: int,
+               gen: torch.Generator) -> EStepPaths:
+    """Alg. 1's E-step for `num_anchors` copies of one context-free prefix, as `run_estep` returns it."""
+    num_lengths, vocab = target_logprobs.shape
+    draft_logprobs = torch.log_softmax(draft_logits, -1)  # [L, V], with grad
+    steps = torch.arange(num_lengths)
+
+    def draw(logprobs: torch.Tensor) -> torch.Tensor:  # [A, S, L] ids, each step independent
+        flat = torch.multinomial(logprobs.detach().exp(), num_anchors * num_samples, replacement=True, generator=gen)
+        return flat.T.reshape(num_anchors, num_samples, num_lengths)
+
+    proposal_ids, correction_ids = draw(draft_logprobs), draw(target_logprobs)
+    greedy_ids = target_logprobs.argmax(-1).expand(num_anchors, -1)  # z_bar from p_theta^(1)
+    return EStepPaths(
+        proposal_target_lps=target_logprobs[steps, proposal_ids], proposal_draft_lps=draft_logprobs[steps, proposal_ids],
+        correction_target_lps=target_logprobs[steps, correction_ids],
+        correction_draft_lps=draft_logprobs[steps, correction_ids],
+        greedy_target_lps=target_logprobs[steps, greedy_ids], greedy_draft_lps=draft_logprobs[steps, greedy_ids].detach(),
+        mask=torch.ones(num_anchors, num_samples, num_lengths, dtype=torch.bool), step0_hidden=torch.zeros(1),
+        proposal_ids=proposal_ids, correction_ids=correction_ids, greedy_ids=greedy_ids,
+    )
+
+
+def reference_m_step_loss(paths: EStepPaths, config: ObjectiveConfig) -> torch.Tensor:
+    """Alg. 1 and 2 written out from the paper, one (anchor, l, s) at a time, sharing no code with mmvsd.
+
+    o(z_<=l) = 1.05^l * [log kappa(z_<=l) >= log kappa(z_bar_<=l) or z_<=l == z_bar_<=l];
+    beta = sum_{j!=s} o'_j o~_j / sum_{j!=s} o'_j (binary o~); zeta = softmax_s(c / tau) with
+    c = q(z~_<=l) (or log q), times S for `car_normalisation=mean`; loss = -mean_x of eq. advance.
+    """
+    num_anchors, num_samples, num_lengths = paths.mask.shape
+    per_anchor = []
+    for a in range(num_anchors):
+        def log_kappa(target_lps, draft_lps, l):
+            return sum(min(0.0, float(target_lps[i]) - float(draft_lps[i].detach())) for i in range(l + 1))
+
+        def o(kind: str, s: int, l: int) -> float:
+            ids = getattr(paths, f"{kind}_ids")[a, s, : l + 1].tolist()
+            greedy = paths.greedy_ids[a, : l + 1].tolist()
+            mine = log_kappa(getattr(paths, f"{kind}_target_lps")[a, s], getattr(paths, f"{kind}_draft_lps")[a, s], l)
+            ref = log_kappa(paths.greedy_target_lps[a], paths.greedy_draft_lps[a], l)
+            return config.length_weight_base ** (l + 1) * float(mine >= ref or ids == greedy)
+
+        total, weight = 0.0, 0.0
+        for l in range(num_lengths):
+            o_tilde = [o("proposal", s, l) for s in range(num_samples)]
+            o_final = [o_tilde[s] if o_tilde[s] > 0 else o("correction", s, l) for s in range(num_samples)]
+            proposal_lp = [paths.proposal_draft_lps[a, s, : l + 1].sum() for s in range(num_samples)]
+            final_lp = [proposal_lp[s] if o_tilde[s] > 0 else paths.correction_draft_lps[a, s, : l + 1].sum()
+                        for s in range(num_samples)]
+            confidence = [float(lp.detach()) if config.car_scale == "log" else float(lp.detach().exp()) for lp in proposal_lp]
+            scores = [np.exp(c / config.car_temperature) for c in confidence]
+            for s in range(num_samples):
+                den = sum(o_final[j] for j in range(num_samples) if j != s)
+                num = sum(o_final[j] * (o_tilde[j] > 0) for j in range(num_samples) if j != s)
+                beta = num / den if den > 0 else 0.0
+                zeta = scores[s] / sum(scores) * (num_samples if config.car_normalisation == "mean" else 1.0)
+                correction = (beta * (zeta if config.use_car else 1.0)) if config.use_arw else 0.0
+                total = total + o_final[s] * (final_lp[s] - correction * proposal_lp[s])
+                weight += o_final[s]
+        if weight > 0:
+            per_anchor.append(total / weight)
+    return -sum(per_anchor) / len(per_anchor)
+
+
+TOY_CONFIGS = {
+    "paper": ObjectiveConfig(),
+    "car-mean-log": ObjectiveConfig(car_normalisation="mean", car_scale="log", car_temperature=2.0),
+    "no-car": ObjectiveConfig(use_car=False),
+}
+
+
+def run_toy_em(config: ObjectiveConfig, sign: float = 1.0, seed: int = 11, check_reference: bool = True):
+    """8 EM iterations of 10 Adam M-steps through `vsd_m_step`; each E-step's loss and gradient are
+    checked against `reference_m_step_loss`. Returns the exact expected accepted length (eq. EA_def)
+    before and after, and the mean share of kept proposals."""
+    target_logprobs, draft_logits = toy_problem(seed)
+    gen = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.Adam([draft_logits], lr=0.05)
 
     def accepted_length() -> float:
         return float(expected_accepted_length(target_logprobs.exp(), torch.softmax(draft_logits.detach(), -1)))
 
-    start = accepted_length()
+    start, pass_rates = accepted_length(), []
     for _ in range(8):
-        batch = toy_e_step(target_logprobs, draft_logits, num_samples=32, gen=gen)
-        for _ in range(10):  # M-step
-            loss, _ = vsd_surrogate(
-                batched_path_logprobs(draft_logits, batch["final_ids"]),
-                batched_path_logprobs(draft_logits, batch["proposal_ids"]),
-                final_oracle=batch["final_oracle"], proposal_passed=batch["proposal_passed"],
-                beta=batch["beta"], zeta=batch["zeta"],
-            )
+        paths = toy_e_step(target_logprobs, draft_logits, num_anchors=3, num_samples=12, gen=gen)
+        samples = {k: getattr(paths, k).detach() for k in ("proposal_draft_lps", "correction_draft_lps")}
+        proposal_ids, correction_ids = paths.proposal_ids, paths.correction_ids
+        steps = torch.arange(target_logprobs.shape[0])
+        for m_step in range(10):
+            draft_logprobs = torch.log_softmax(draft_logits, -1)  # fresh log q of the fixed E-step paths
+            paths.proposal_draft_lps = draft_logprobs[steps, proposal_ids]
+            paths.correction_draft_lps = draft_logprobs[steps, correction_ids]
+            loss, metrics = vsd_m_step(paths, config)
+            if m_step == 0:
+                pass_rates.append(metrics["oracle_pass_rate"])
+                torch.testing.assert_close(paths.proposal_draft_lps.detach(), samples["proposal_draft_lps"])
+                if check_reference:
+                    reference = reference_m_step_loss(paths, config)
+                    (got,) = torch.autograd.grad(loss, draft_logits, retain_graph=True)
+                    (want,) = torch.autograd.grad(reference, draft_logits, retain_graph=True)
+                    # zeta is computed in float32 (car_weights): agreement to ~1e-7, far below any real error
+                    torch.testing.assert_close(loss, reference, rtol=1e-6, atol=1e-9)
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-8)
             optimizer.zero_grad()
             (sign * loss).backward()
             optimizer.step()
-    return start, accepted_length()
+    return start, accepted_length(), float(np.mean(pass_rates))
 
 
-def test_toy_em_raises_expected_accepted_length() -> None:
-    torch.manual_seed(0)
-    start, end = run_toy_em(sign=1.0)
+@pytest.mark.parametrize("name", sorted(TOY_CONFIGS))
+def test_toy_em_matches_the_paper_written_out_and_raises_accepted_length(name: str) -> None:
+    start, end, pass_rate = run_toy_em(TOY_CONFIGS[name])
     assert end > start + 0.3, (start, end)
-    _, end_ascending_wrong_way = run_toy_em(sign=-1.0)  # the same loop with the sign flipped fails
+    assert 0.05 < pass_rate < 0.95  # both kept and corrected proposals are exercised
+
+
+def test_toy_em_the_wrong_way_lowers_accepted_length() -> None:
+    start, end_ascending_wrong_way, _ = run_toy_em(ObjectiveConfig(), sign=-1.0, check_reference=False)
     assert end_ascending_wrong_way < start, (start, end_ascending_wrong_way)
+
+
+def test_oracle_diagnostics_on_hand_made_paths() -> None:
+    proposal_log_kappa = torch.tensor([[[-0.1, -0.5], [0.0, -2.0]], [[0.0, 0.0], [-1.0, -1.0]]])
+    greedy_log_kappa = torch.tensor([[0.0, 0.0], [-0.2, -0.3]])
+    correction_passed = torch.tensor([[[True, False], [False, False]], [[True, True], [True, False]]])
+    mask = torch.ones(2, 2, 2, dtype=torch.bool)
+    got = oracle_diagnostics(proposal_log_kappa, greedy_log_kappa, correction_passed, mask)
+    assert float(got["correction_pass_rate"]) == pytest.approx(4 / 8)
+    assert float(got["greedy_kappa_one_rate"]) == pytest.approx(1 / 2)  # anchor 0's z_bar has kappa 1
+    assert float(got["mean_log_kappa"]) == pytest.approx((-0.5 - 2.0 + 0.0 - 1.0) / 4)  # at l = L
+    mask[1] = False  # an unused anchor counts in none of them
+    got = oracle_diagnostics(proposal_log_kappa, greedy_log_kappa, correction_passed, mask)
+    assert float(got["greedy_kappa_one_rate"]) == 1.0 and float(got["mean_log_kappa"]) == pytest.approx(-1.25)

@@ -114,8 +114,9 @@ def new_smol_llava(text_folder: Path | None = None) -> tuple[LlavaForConditional
     language_model = AutoModelForCausalLM.from_pretrained(text_folder, dtype=torch.float32)
     config = smol_llava_config(language_model.config, image_token_id)
     config.tie_word_embeddings = language_model.config.tie_word_embeddings
-    torch.manual_seed(0)
-    model = LlavaForConditionalGeneration(config)
+    with torch.random.fork_rng(devices=[]):  # a fixed projector init that leaves the caller's global RNG alone
+        torch.manual_seed(0)
+        model = LlavaForConditionalGeneration(config)
     model.model.language_model.load_state_dict(language_model.model.state_dict(), strict=True)
     model.lm_head.load_state_dict(language_model.lm_head.state_dict())
     if config.tie_word_embeddings:

@@ -1,0 +1,396 @@
+"""Exact T = 0 acceptance of a drafter without a decode loop: replay the target's greedy continuation.
+
+At T = 0 speculative decoding outputs the target's greedy continuation, whatever the drafter does, so
+one causal target forward over prompt + continuation gives every target feature the decoder would
+see. The walk then does what decoding does at each step: the drafter builds its tree from the
+committed root (the same tree builder and session type as decoding), the accepted path is read off
+the continuation by the same greedy rule as verification (`verify_greedy_choices`), the accepted
+pairs advance the drafter's session, and the walk jumps to the next root. No target forward per step.
+
+Glossary (as in `mmvsd.decode`): the *root* is the last committed token, which the target has not
+seen; *accepted* draft tokens match the target's choices along a tree path; the *bonus* is the
+target's own token after the accepted path. tau = new tokens / target forwards (the prefill is one
+forward; tokens after EOS or beyond max_new_tokens are not counted), exactly `SequenceResult.tau`.
+
+Shapes: B rows, P prompt length, L continuation length, W = max(P + L), N tree nodes, F feature width.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from mmvsd.adapter import padded_embeds, span_ids
+from mmvsd.decode import DecodeConfig, PromptLike, as_prompts, vanilla_generate
+from mmvsd.drafter import Drafter, DraftInputs, DraftSession, PairMedia
+from mmvsd.errors import UserError
+from mmvsd.features import TokenBatch, capture_features
+from mmvsd.target import Target
+from mmvsd.tree import DraftTree, TreeShape, build_dynamic_tree
+from mmvsd.verify import verify_greedy_choices
+
+TIE_EPSILON = 1e-4  # a target choice whose top-2 logits are closer than this may flip between kernels
+
+
+@dataclass
+class PromptAcceptance:
+    """One prompt's replayed decoding: the counters `SequenceResult` would report."""
+
+    new_tokens: int
+    target_forwards: int
+    accept_lengths: list[int] = field(default_factory=list)  # tokens per target forward (prefill: 1)
+
+    @property
+    def tau(self) -> float:
+        return self.new_tokens / max(self.target_forwards, 1)
+
+
+@dataclass(frozen=True)
+class Tie:
+    """A continuation token the target chose by a margin under the tie epsilon."""
+
+    prompt: int  # prompt index
+    position: int  # index in the continuation
+    margin: float  # top-1 minus top-2 logit
+
+
+@dataclass
+class AcceptanceReport:
+    """Acceptance of a drafter on prompts at one tree shape (T = 0)."""
+
+    shape: TreeShape
+    prompts: list[PromptAcceptance]
+    accepted_counts: list[int]  # [depth + 1] tree steps that accepted exactly k draft tokens, k = 0..depth
+    ties: list[Tie] = field(default_factory=list)
+    num_mismatches: int = 0  # continuation tokens that are not the argmax of the one-forward logits
+    seconds: float = 0.0
+    tie_epsilon: float = TIE_EPSILON
+
+    @property
+    def tau(self) -> float:
+        """Total new tokens / total target forwards (as `mmvsd bench` pools a benchmark)."""
+        return sum(p.new_tokens for p in self.prompts) / max(sum(p.target_forwards for p in self.prompts), 1)
+
+    @property
+    def mean_tau(self) -> float:
+        """Mean of the per-prompt tau values (as `mmvsd generate` prints them)."""
+        return sum(p.tau for p in self.prompts) / max(len(self.prompts), 1)
+
+    @property
+    def acceptance_by_depth(self) -> list[float]:
+        """[depth] share of tree steps that accepted at least d draft tokens, d = 1..depth."""
+        total = max(sum(self.accepted_counts), 1)
+        return [sum(self.accepted_counts[d:]) / total for d in range(1, len(self.accepted_counts))]
+
+    def to_dict(self) -> dict:
+        return {
+            "tau": self.tau, "mean_tau": self.mean_tau, "tree": shape_text(self.shape),
+            "num_prompts": len(self.prompts), "new_tokens": sum(p.new_tokens for p in self.prompts),
+            "target_forwards": sum(p.target_forwards for p in self.prompts),
+            "acceptance_by_depth": self.acceptance_by_depth, "accepted_counts": self.accepted_counts,
+            "tie_epsilon": self.tie_epsilon, "num_ties": len(self.ties), "ties": [asdict(t) for t in self.ties],
+            "num_mismatches": self.num_mismatches, "seconds": self.seconds,
+            "prompts": [{**asdict(p), "tau": p.tau} for p in self.prompts],
+        }
+
+
+# ----------------------------------------------------------------------------- continuations
+
+
+def greedy_continuations(
+    target: Target, prompts: list[PromptLike], max_new_tokens: int, batch_size: int = 8
+) -> list[list[int]]:
+    """The target's own greedy output per prompt (vanilla decoding: same EOS and length handling)."""
+    config = DecodeConfig(max_new_tokens=max_new_tokens, temperature=0.0)
+    out: list[list[int]] = []
+    for start in range(0, len(prompts), batch_size):
+        out += [r.output_ids for r in vanilla_generate(target, prompts[start : start + batch_size], config)]
+    return out
+
+
+def continuation_key(target: Target, prompts: list[PromptLike], max_new_tokens: int) -> str:
+    """sha256 of (target weights, EOS ids, prompts with their media embeddings, max_new_tokens)."""
+    from mmvsd.shipped import target_checksum
+
+    digest = hashlib.sha256()
+    header = {"target": target_checksum(target), "eos": sorted(target.eos_token_ids), "max_new": max_new_tokens}
+    digest.update(json.dumps(header, sort_keys=True).encode())
+    for prompt in as_prompts(prompts):
+        digest.update(json.dumps(prompt.token_ids).encode() + b"\n")
+        if prompt.inputs_embeds is not None:
+            digest.update(prompt.inputs_embeds.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def cached_greedy_continuations(
+    target: Target, prompts: list[PromptLike], max_new_tokens: int, batch_size: int = 8,
+    cache_dir: str | Path | None = None,
+) -> list[list[int]]:
+    """`greedy_continuations`, read from (or written to) a cache under the mmvsd cache."""
+    from mmvsd.files import atomic_file
+    from mmvsd.targets import cache_root
+
+    key = continuation_key(target, prompts, max_new_tokens)
+    path = Path(cache_dir) if cache_dir is not None else cache_root() / "continuations"
+    path = path / f"{key[:40]}.json"
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("key") == key and len(saved["continuations"]) == len(prompts):
+            return saved["continuations"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # absent or unreadable: generate again
+    continuations = greedy_continuations(target, prompts, max_new_tokens, batch_size)
+    with atomic_file(path) as handle:
+        json.dump({"key": key, "target": target.name, "max_new_tokens": max_new_tokens,
+                   "continuations": continuations}, handle)
+    return continuations
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def check_eval_prompts(target: Target, prompts: list[PromptLike], max_new_tokens: int, shape: TreeShape) -> None:
+    """The checks `mmvsd generate` makes: prompts exist and fit the context with the draft tree."""
+    if not prompts:
+        raise UserError("no prompts to evaluate")
+    for prompt in as_prompts(prompts):
+        target.check_length(len(prompt.token_ids), max_new_tokens, shape.depth + 1)
+
+
+@torch.no_grad()
+def evaluate_acceptance(
+    target: Target, drafter: Drafter, prompts: list[PromptLike], continuations: list[list[int]],
+    shape: TreeShape, batch_size: int = 8, tie_epsilon: float = TIE_EPSILON, progress: bool = False,
+) -> AcceptanceReport:
+    """Replay T = 0 tree decoding of `prompts` along their greedy `continuations`; tau and acceptance.
+
+    Rows of a batch are independent for a `Drafter` and a fixed shape, so any `batch_size` gives
+    generate's tau; proposers or shape plans that learn statistics across a batch's rows (n-gram
+    branches, `--tree auto`) equal generate at batch size 1 with `batch_size=1`.
+    """
+    prompts = as_prompts(prompts)
+    if not prompts or len(prompts) != len(continuations):
+        raise UserError(f"need one continuation per prompt, got {len(continuations)} for {len(prompts)} prompts")
+    if any(not c for c in continuations):
+        raise UserError("an empty continuation: generate at least one token per prompt")
+    for prompt in prompts:
+        drafter.check_media(len(prompt.spans))
+    start = time.perf_counter()
+    report = AcceptanceReport(shape, [], [0] * (shape.depth + 1), tie_epsilon=tie_epsilon)
+    chunks = range(0, len(prompts), batch_size)
+    if progress:
+        from tqdm import tqdm
+
+        chunks = tqdm(chunks, desc="eval-drafter", unit="batch", dynamic_ncols=True)
+    for first in chunks:
+        rows = slice(first, first + batch_size)
+        _evaluate_chunk(target, drafter, prompts[rows], continuations[rows], shape, tie_epsilon, first, report)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+@dataclass
+class _Replay:
+    """One chunk's sequences and the target's view of them."""
+
+    seq_ids: Tensor  # [B, W] prompt + continuation, right-padded with 0
+    prompt_lens: Tensor  # [B]
+    cont_lens: Tensor  # [B]
+    features: Tensor  # [B, W, F] what the drafter reads at each position (`Drafter.target_features`)
+    prompt_media: PairMedia | None  # media of the prefill pairs, as decoding builds them
+
+
+def _evaluate_chunk(target, drafter, prompts, continuations, shape, tie_epsilon, first, report) -> None:
+    """Capture one chunk's features, check the continuations, walk it, add to `report`."""
+    replay, target_ids, margins = _capture(target, drafter, prompts, continuations)
+    for row, cont in enumerate(continuations):
+        base = int(replay.prompt_lens[row]) - 1  # the target chooses continuation[i] at position base + i
+        chosen, margin = target_ids[row, base : base + len(cont)].tolist(), margins[row, base : base + len(cont)]
+        report.num_mismatches += sum(a != b for a, b in zip(chosen, cont))
+        for pos in (margin < tie_epsilon).nonzero().flatten().tolist():
+            report.ties.append(Tie(first + row, pos, float(margin[pos])))
+    report.prompts += _walk(drafter, replay, shape, report.accepted_counts)
+
+
+def _capture(target: Target, drafter: Drafter, prompts, continuations) -> tuple[_Replay, Tensor, Tensor]:
+    """One batched causal target forward over prompt + continuation: features, argmax and top-2 margins."""
+    device = target.device
+    prompt_lens = torch.tensor([len(p.token_ids) for p in prompts], dtype=torch.long, device=device)
+    cont_lens = torch.tensor([len(c) for c in continuations], dtype=torch.long, device=device)
+    seq_ids = torch.zeros(len(prompts), int((prompt_lens + cont_lens).max()), dtype=torch.long, device=device)
+    for row, (prompt, cont) in enumerate(zip(prompts, continuations)):
+        seq_ids[row, : len(prompt.token_ids) + len(cont)] = torch.tensor(prompt.token_ids + list(cont))
+    embeds = padded_embeds(target, prompts, seq_ids)
+    spans = span_ids(prompts, seq_ids.shape[1], device) if embeds is not None else None
+    tokens = TokenBatch(seq_ids, torch.zeros_like(seq_ids, dtype=torch.bool), prompt_lens + cont_lens, embeds, spans)
+    batch = capture_features(target, tokens)
+    features = drafter.target_features(batch.features, batch.target_hidden)
+    target_ids, margins = _target_choices(target, batch.target_hidden)
+    replay = _Replay(seq_ids, prompt_lens, cont_lens, features, _prefill_media(target, prompts, seq_ids, prompt_lens))
+    return replay, target_ids, margins
+
+
+def _target_choices(target: Target, target_hidden: Tensor, chunk: int = 64) -> tuple[Tensor, Tensor]:
+    """Argmax [B, W] and top-1 minus top-2 logit [B, W], a few positions at a time (logits are [.., V])."""
+    ids, margins = [], []
+    for start in range(0, target_hidden.shape[1], chunk):
+        top = target.logits(target_hidden[:, start : start + chunk]).float().topk(2, dim=-1)
+        ids.append(top.indices[..., 0])
+        margins.append(top.values[..., 0] - top.values[..., 1])
+    return torch.cat(ids, 1).cpu(), torch.cat(margins, 1).cpu()
+
+
+def _prefill_media(target: Target, prompts, seq_ids: Tensor, prompt_lens: Tensor) -> PairMedia | None:
+    """The prefill pairs' media exactly as decoding builds them (prompts right-padded with id 0)."""
+    width = int(prompt_lens.max())
+    prompt_ids = seq_ids[:, :width].clone()
+    prompt_ids[torch.arange(width, device=seq_ids.device)[None, :] >= prompt_lens[:, None]] = 0
+    embeds = padded_embeds(target, prompts, prompt_ids)
+    if embeds is None:
+        return None
+    return PairMedia.from_tokens(embeds, span_ids(prompts, width, embeds.device))
+
+
+def draft_tree(roots: Tensor, session: DraftSession, shape: TreeShape) -> DraftTree:
+    """The one place the evaluator builds a draft tree (what decoding builds at this step)."""
+    return build_dynamic_tree(roots, session, shape)
+
+
+def _walk(drafter: Drafter, replay: _Replay, shape: TreeShape, accepted_counts: list[int]) -> list[PromptAcceptance]:
+    """Replay tree decoding along the continuations; rows finish independently (ragged caches)."""
+    seq_ids, prompt_lens, cont_lens = replay.seq_ids, replay.prompt_lens, replay.cont_lens
+    batch, width = seq_ids.shape
+    results = [PromptAcceptance(1, 1, [1]) for _ in range(batch)]  # the prefill emits continuation[0]
+    session = drafter.new_session(batch)
+    prompt_width = int(prompt_lens.max())
+    session.advance(DraftInputs(replay.features[:, :prompt_width], seq_ids[:, 1 : prompt_width + 1], prompt_lens,
+                                replay.prompt_media))
+    root_index = torch.zeros(batch, dtype=torch.long, device=seq_ids.device)  # continuation index of the root
+    live = torch.arange(batch, device=seq_ids.device)  # original row of each session row
+    while True:
+        done = torch.tensor([results[r].new_tokens >= int(cont_lens[r]) for r in live.tolist()], dtype=torch.bool)
+        if bool(done.all()):
+            return results
+        if bool(done.any()):
+            keep = (~done).nonzero().flatten().to(seq_ids.device)
+            session.select_rows(keep)
+            live, root_index = live[keep], root_index[keep]
+        root_pos = prompt_lens[live] + root_index  # [B'] sequence position of each root
+        tree = draft_tree(seq_ids[live, root_pos], session, shape)
+        verdict = verify_greedy_choices(tree, _continuation_choices(seq_ids[live], root_pos, tree, prompt_lens[live]
+                                                                    + cont_lens[live]))
+        shape.observe(tree, verdict)  # shape plans that learn acceptance learn it as in decoding
+        num_accepted = verdict.num_accepted  # [B']
+        session.advance(_accepted_pairs(seq_ids[live], replay.features[live], root_pos, num_accepted, width))
+        _record_step(results, live, root_index, num_accepted, cont_lens, accepted_counts)
+        root_index = root_index + num_accepted + 1
+
+
+def _continuation_choices(seq_ids: Tensor, root_pos: Tensor, tree: DraftTree, seq_lens: Tensor) -> Tensor:
+    """[B, N] the target's choice after each tree node if the path to it matches: the continuation
+    token one deeper; -1 past the end of the continuation (nothing there can be accepted)."""
+    pos = root_pos[:, None] + tree.depths + 1  # [B, N]
+    ids = seq_ids.gather(1, pos.clamp(max=seq_ids.shape[1] - 1))
+    return torch.where(pos < seq_lens[:, None], ids, torch.full_like(ids, -1))
+
+
+def _accepted_pairs(seq_ids: Tensor, features: Tensor, root_pos: Tensor, num_accepted: Tensor, width: int) -> DraftInputs:
+    """Pairs decoding feeds after a step: features at root..last accepted, each with the next token."""
+    num_new = num_accepted + 1  # [B]
+    pos = root_pos[:, None] + torch.arange(int(num_new.max()), device=seq_ids.device)[None, :]  # [B, A]
+    pos = pos.clamp(max=width - 1)
+    picked = features.gather(1, pos[:, :, None].expand(-1, -1, features.shape[-1]))  # [B, A, F]
+    return DraftInputs(picked, seq_ids.gather(1, (pos + 1).clamp(max=width - 1)), num_new)
+
+
+def _record_step(results, live: Tensor, root_index: Tensor, num_accepted: Tensor, cont_lens: Tensor,
+                 accepted_counts: list[int]) -> None:
+    """Count one target forward per live row; tokens past the continuation's end are not emitted."""
+    for row, start, accepted in zip(live.tolist(), root_index.tolist(), num_accepted.tolist()):
+        result = results[row]
+        emitted = min(accepted + 1, int(cont_lens[row]) - result.new_tokens)
+        result.new_tokens += emitted
+        result.target_forwards += 1
+        result.accept_lengths.append(accepted + 1)
+        if start + accepted + 1 < int(cont_lens[row]):  # a full step: the tree could have accepted deeper
+            accepted_counts[accepted] += 1
+
+
+# ----------------------------------------------------------------------------- command line helpers
+
+
+def load_eval_texts(spec: str, limit: int = 0) -> list[str]:
+    """Prompt texts of `spec`: a JSONL prompt file (`prompt` or MT-Bench `turns`), or a built-in text
+    benchmark (mt_bench, humaneval, gsm8k: their first user turns); the first `limit` (0: all)."""
+    from mmvsd.eval.suites import TEXT_BENCHMARKS, load_items
+    from mmvsd.prompts import read_prompt_file
+
+    if limit < 0:
+        raise UserError(f"--limit must be >= 0, got {limit}")
+    if not Path(spec).exists() and spec in TEXT_BENCHMARKS:
+        texts = [item.turns[0] for item in load_items(spec, limit)]
+    elif not Path(spec).exists():
+        raise UserError(f"prompt file not found: {spec} (or name a built-in benchmark: {', '.join(TEXT_BENCHMARKS)})")
+    else:
+        texts = read_prompt_file(spec)
+        texts = texts[:limit] if limit > 0 else texts
+    if not texts:
+        raise UserError(f"no prompts in {spec}")
+    return texts
+
+
+def shape_text(shape: TreeShape) -> str:
+    return f"{shape.budget}/{shape.depth}/{shape.topk}" if isinstance(shape, TreeShape) else repr(shape)
+
+
+def format_report(report: AcceptanceReport) -> str:
+    """A few human-readable lines: tau, acceptance by depth, ties and the time taken."""
+    by_depth = " ".join(f"{rate:.2f}" for rate in report.acceptance_by_depth)
+    taus = [p.tau for p in report.prompts]
+    lines = [
+        (f"tau {report.tau:.3f} (mean per prompt {report.mean_tau:.3f}, min {min(taus):.2f}, max {max(taus):.2f}) | "
+         f"tree {shape_text(report.shape)} | {len(report.prompts)} prompts, "
+         f"{sum(p.new_tokens for p in report.prompts)} tokens, {sum(p.target_forwards for p in report.prompts)} "
+         f"target forwards"),
+        f"accepted >= d draft tokens, d = 1..{len(report.acceptance_by_depth)}: {by_depth}",
+        f"numerical ties (top-2 logit margin < {report.tie_epsilon:g}) on the greedy path: {len(report.ties)}"
+        + (f"; continuation tokens that differ from the one-forward argmax: {report.num_mismatches}"
+           if report.num_mismatches else ""),
+        f"evaluated in {report.seconds:.1f} s",
+    ]
+    return "\n".join(lines)
+
+
+class TauMonitor:
+    """Validation tau while training: held-out prompts, their cached greedy continuations, one shape."""
+
+    def __init__(self, target: Target, prompt_spec: str, limit: int, max_new_tokens: int, shape: TreeShape,
+                 batch_size: int = 8) -> None:
+        self.target = target
+        self.prompts = [target.encode_prompt(text) for text in load_eval_texts(prompt_spec, limit)]
+        check_eval_prompts(target, self.prompts, max_new_tokens, shape)
+        self.max_new_tokens = max_new_tokens
+        self.shape = shape
+        self.batch_size = batch_size
+        self.continuations: list[list[int]] | None = None  # generated (or read from the cache) on first use
+        self.last_report: AcceptanceReport | None = None
+
+    def __call__(self, drafter: Drafter) -> AcceptanceReport:
+        """Acceptance of `drafter` now (evaluated in eval mode; its training mode is restored)."""
+        if self.continuations is None:
+            self.continuations = cached_greedy_continuations(self.target, self.prompts, self.max_new_tokens,
+                                                             self.batch_size)
+        was_training = drafter.training
+        drafter.eval()
+        try:
+            self.last_report = evaluate_acceptance(self.target, drafter, self.prompts, self.continuations,
+                                                   self.shape, self.batch_size)
+            return self.last_report
+        finally:
+            drafter.train(was_training)

