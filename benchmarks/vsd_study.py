@@ -265,8 +265,9 @@ def summarise(args: argparse.Namespace, runs: list[dict], counts: dict, set_name
 
 
 def markdown_table(rows: list[dict], baseline: str) -> str:
-    lines = [f"| T | prompts | budget | arm | steps | tau (95% CI over prompts) | seeds (std) | vs {baseline}: ratio "
-             "(95% CI) | diff (95% CI) | goal |", "|---|---|---|---|---|---|---|---|---|---|"]
+    header = (f"| T | prompts | budget | arm | steps | tau (95% CI over prompts) | seeds (std) | vs {baseline}: ratio "
+              "(95% CI) | diff (95% CI) | goal |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         seeds = ", ".join(f"{t:.3f}" for t in r["seed_taus"])
         cmp = r.get("vs_baseline")

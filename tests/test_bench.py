@@ -109,8 +109,8 @@ def test_resume_continues_and_a_fresh_run_refuses_an_old_folder(tiny_dir, tmp_pa
     assert "--resume" in capsys.readouterr().err
     assert bench([*common, "--limit", "2", "--resume"]) == 0
     records = [json.loads(line) for line in (tmp_path / "r" / "records.jsonl").read_text().splitlines()]
-    assert sorted((r["item_id"], r["method"]) for r in records) == [("0", "tree"), ("0", "vanilla"),
-                                                                    ("1", "tree"), ("1", "vanilla")]
+    assert sorted((r["item_id"], r["method"]) for r in records) == [("0", "tree:random"), ("0", "vanilla"),
+                                                                    ("1", "tree:random"), ("1", "vanilla")]
     assert bench([*common, "--limit", "2", "--resume", "--max-new-tokens", "4"]) == 2  # other settings
 
 

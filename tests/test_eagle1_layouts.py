@@ -266,5 +266,5 @@ def test_export_command(llava_target, tmp_path, capsys):
                                    set(torch.load(out / "pytorch_model.bin", weights_only=True)))
     our_drafter("msd", llava_target, tmp_path / "msd")
     assert cli_main(["export", "--drafter", str(tmp_path / "msd"), "--format", "vispec", str(tmp_path / "x")]) == 2
-    assert "layout 'vispec' holds 'vispec' drafters" in capsys.readouterr().err
+    assert "--format vispec holds 'vispec' drafters" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()

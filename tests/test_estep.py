@@ -241,7 +241,7 @@ def test_run_estep_equals_naive_loops(tiny_target, zbar_vocab):
             greedy = naive_greedy(tiny_target, prefix, length, None if zbar_vocab == "full" else in_vocab)
             assert paths.greedy_ids[row].tolist() == greedy.tolist()
             num_greedy_outside += int((~in_vocab[greedy]).sum())
-            close = dict(atol=2e-5, rtol=1e-4)
+            close = {"atol": 2e-5, "rtol": 1e-4}
             torch.testing.assert_close(paths.greedy_target_lps[row], naive_target_logprobs(tiny_target, prefix, greedy), **close)
             torch.testing.assert_close(paths.greedy_draft_lps[row], naive_draft_logprobs(drafter, batch, b, t, greedy), **close)
             for s in range(num_samples):

@@ -98,4 +98,4 @@ def test_qwen_greedy_tree_decoding_is_lossless(qwen_target, drafter_spec, ngram)
     config = DecodeConfig(max_new_tokens=16, tree=TreeShape(budget=8, depth=3, topk=2))
     spec = speculative_generate(qwen_target, drafter, [prompt], config)[0]
     assert spec.output_ids == vanilla
-    assert "def" in qwen_target.decode(vanilla)  # a real coder model answers with code
+    assert "is_even" in qwen_target.decode(vanilla)  # a real model answering this prompt

@@ -323,7 +323,7 @@ def toy_problem(seed: int = 11, num_lengths: int = 4, vocab: int = 6):
 def toy_e_step(target_logprobs: torch.Tensor, draft_logits: torch.Tensor, num_anchors: int, num_samples: int,
                gen: torch.Generator) -> EStepPaths:
     """Alg. 1's E-step for `num_anchors` copies of one context-free prefix, as `run_estep` returns it."""
-    num_lengths, vocab = target_logprobs.shape
+    num_lengths = target_logprobs.shape[0]
     draft_logprobs = torch.log_softmax(draft_logits, -1)  # [L, V], with grad
     steps = torch.arange(num_lengths)
 
@@ -356,7 +356,7 @@ def reference_m_step_loss(paths: EStepPaths, config: ObjectiveConfig) -> torch.T
         def log_kappa(target_lps, draft_lps, l):
             return sum(min(0.0, float(target_lps[i]) - float(draft_lps[i].detach())) for i in range(l + 1))
 
-        def o(kind: str, s: int, l: int) -> float:
+        def o(kind: str, s: int, l: int, a: int = a) -> float:
             ids = getattr(paths, f"{kind}_ids")[a, s, : l + 1].tolist()
             greedy = paths.greedy_ids[a, : l + 1].tolist()
             mine = log_kappa(getattr(paths, f"{kind}_target_lps")[a, s], getattr(paths, f"{kind}_draft_lps")[a, s], l)
