@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from mmvsd.errors import UserError
+from mmvsd.files import file_sha256
 
 SHIPPED_ROOT = Path(__file__).parent / "shipped_drafters"
 MANIFEST = "manifest.json"
@@ -44,14 +45,6 @@ def target_checksum(target) -> str:
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     _target_checksums[target] = digest.hexdigest()
     return _target_checksums[target]
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ then assembles the full model folder once in the cache, keyed by the projector's
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,7 @@ from transformers import (
 )
 
 from mmvsd.errors import UserError
-from mmvsd.files import atomic_dir
+from mmvsd.files import atomic_dir, file_sha256
 from mmvsd.lab.efficientnet import (
     IMAGE_MEAN,
     IMAGE_SIZE,
@@ -134,14 +133,6 @@ def projector(model: LlavaForConditionalGeneration) -> nn.Module:
 # ----------------------------------------------------------------------------- projector files
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def save_projector(model: LlavaForConditionalGeneration, folder: Path, training: dict[str, Any],
                    lora: dict[str, Tensor] | None = None) -> None:
     """Write projector.safetensors (the projector, plus the language model's low-rank adapters when trained
@@ -151,7 +142,7 @@ def save_projector(model: LlavaForConditionalGeneration, folder: Path, training:
     with atomic_dir(folder) as tmp:
         save_file(state, str(tmp / PROJECTOR_WEIGHTS))
         manifest = {
-            "sha256": sha256_of(tmp / PROJECTOR_WEIGHTS),
+            "sha256": file_sha256(tmp / PROJECTOR_WEIGHTS),
             "shapes": {k: list(v.shape) for k, v in state.items()},
             "text_model": TEXT_TARGET,
             "vision_tower": model.config.vision_config.architecture,
@@ -187,7 +178,7 @@ def load_projector(folder: Path, hidden_size: int) -> dict[str, Tensor]:
     weights = folder / PROJECTOR_WEIGHTS
     if not weights.is_file():
         raise UserError(f"smol-llava projector weights {weights} are missing")
-    actual = sha256_of(weights)
+    actual = file_sha256(weights)
     if actual != manifest.get("sha256"):
         raise UserError(
             f"smol-llava projector {weights} is corrupt or was replaced: sha256 {actual[:12]}... does not match "
