@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from mmvsd.adapter import Prompt, padded_embeds, span_ids
+from mmvsd.costs import load_cost_table
 from mmvsd.drafter import Drafter, DraftInputs, PairMedia
 from mmvsd.errors import UserError
 from mmvsd.kv import sequence_block
@@ -241,8 +242,6 @@ def _shape_plan(target: Target, drafter: Drafter, config: DecodeConfig, batch: i
     if isinstance(config.tree, TreeShape):
         return config.tree, None
     if costs is None:
-        from mmvsd.costs import load_cost_table
-
         costs = load_cost_table(target, drafter, batch_sizes=(batch,))
     plan = AutoShape(costs, stats if stats is not None else AcceptanceStats())
     return plan, SpeedGuard(batch / costs.target_step(1, batch))

@@ -15,7 +15,6 @@ Shape letters: B batch, C candidates, N tree nodes, D depth.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -100,11 +99,6 @@ def sibling_ranks(parents: Tensor, scores: Tensor) -> Tensor:
     return (same_parent & (better | earlier_tie)).sum(-1)
 
 
-def expected_rate(tokens: Tensor, seconds: float) -> float:
-    """Committed tokens per second of a step: tokens [B] expected per row, one shared step time."""
-    return float(tokens.sum()) / seconds
-
-
 def best_num_nodes(path_probs: Tensor, costs: StepCosts, draft_seconds: float, max_nodes: int) -> tuple[int, float]:
     """How many of the candidates to verify: (n, expected tokens/s), n in [0, max_nodes].
 
@@ -140,7 +134,6 @@ class AutoShape:
         self.costs, self.stats = costs, stats
         self.topk, self.depth, self.budget = topk, depth, budget
         self.state: PlanState | None = None
-        self.last_choice: tuple[int, int] = (0, 0)  # (depth, nodes) of the last tree
 
     def start(self, cond_logprobs: Tensor, scores: Tensor, batch: int) -> bool:
         """Root candidates ([B, K]) are known: whether expanding them is expected to pay."""
@@ -195,7 +188,6 @@ class AutoShape:
         parent_scores = tree.draft_logprobs.gather(1, tree.parents.clamp(min=0))
         cond_logprobs = tree.draft_logprobs - parent_scores  # each node's own draft log-prob
         self.stats.update(cond_logprobs, tree.parents, tree.depths, verdict.path_nodes)
-        self.last_choice = (tree.max_depth, tree.num_nodes - 1)
 
 
 class SpeedGuard:
@@ -210,8 +202,6 @@ class SpeedGuard:
         self.plain_log: list[tuple[int, float]] = [(1, 1.0 / plain_rate_estimate)]  # (tokens, seconds)
         self.spec_log: list[tuple[int, float]] = []
         self.plain_left = 0  # plain steps still to take before the next probe
-        self.num_plain_steps = 0
-        self.num_switches = 0
 
     def plain_step(self) -> bool:
         """Whether the next step should be a plain one."""
@@ -223,7 +213,6 @@ class SpeedGuard:
         log.append((tokens, seconds))
         del log[: -self.window]
         if plain:
-            self.num_plain_steps += 1
             self.plain_left -= 1
             if self.plain_left == 0:
                 self.spec_log.clear()  # the next probe is judged on fresh steps
@@ -233,7 +222,6 @@ class SpeedGuard:
         if _rate(self.spec_log) < _rate(self.plain_log) * (1 - self.margin):
             self.plain_left = self.backoff
             self.backoff = min(2 * self.backoff, self.max_backoff)
-            self.num_switches += 1
         else:
             self.backoff = self.first_backoff
 
@@ -290,10 +278,3 @@ def _static_rate(nodes: list[tuple[float, int, int, int]], costs: StepCosts, bat
                                            for d, p in parents_by_depth.items() if d > 1)
     return batch * tokens / (costs.target_step(len(nodes) + 1, batch) + draft)
 
-
-def log_stat(stats: AcceptanceStats) -> dict[str, float]:
-    """A few numbers to report: overall acceptance of tried nodes and of top-ranked children."""
-    tried = float(stats.rank_tried.sum())
-    accepted = float(stats.rank_accepted.sum())
-    top = stats.by_rank()[0]
-    return {"node_acceptance": accepted / tried if tried else math.nan, "top_child_acceptance": float(top)}

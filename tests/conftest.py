@@ -185,3 +185,12 @@ def llava_target(llava_dir) -> Target:
     from mmvsd.targets import load_target
 
     return load_target(str(llava_dir))
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    """`mmvsd ARGV...` in-process: (exit code, stdout, stderr)."""
+    from mmvsd.cli import main
+
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import save_tiny_target
+from conftest import run_cli, save_tiny_target
 from mmvsd.cli import main
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.targets import load_target
@@ -17,12 +17,6 @@ from mmvsd.targets import load_target
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
     return save_tiny_target(tmp_path_factory.mktemp("tiny-target"))
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def texts_of(out: str) -> list[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import PROMPT_POOL, make_tiny_llama, random_prompts, save_tiny_target
+from conftest import PROMPT_POOL, make_tiny_llama, random_prompts, run_cli, save_tiny_target
 from mmvsd import evaluate
 from mmvsd.cli import main
 from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate
@@ -173,12 +173,6 @@ def test_bad_evaluator_input(tiny_target, fitted_drafter):
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
     return save_tiny_target(tmp_path_factory.mktemp("eval-target"))
-
-
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def write_prompts(path: Path, texts: list[str]) -> Path:
