@@ -88,7 +88,7 @@ class LlavaAdapter(ModalityAdapter):
         processor = target.processor
         inputs = processor(images=images or None, text=user_turn_text(processor, text, len(images)),
                            return_tensors="pt")
-        return self.embed_images(target, inputs["input_ids"][0].tolist(), images)
+        return self.embed_images(target, inputs["input_ids"][0].tolist(), images, inputs.get("pixel_values"))
 
     def placeholder(self, target) -> str:
         return target.processor.image_token
@@ -108,13 +108,16 @@ class LlavaAdapter(ModalityAdapter):
         return self.embed_images(target, token_ids, [self.load(path) for path in media])
 
     @torch.no_grad()
-    def embed_images(self, target, token_ids: list[int], images: list[Image.Image]) -> Prompt:
-        """The prompt of expanded ids whose image spans hold `images`, in order."""
+    def embed_images(self, target, token_ids: list[int], images: list[Image.Image],
+                     pixel_values: Tensor | None = None) -> Prompt:
+        """The prompt of expanded ids whose image spans hold `images`, in order (`pixel_values`: the
+        processor's output for them when the caller already has it, so images are preprocessed once)."""
         ids = torch.tensor(token_ids, dtype=torch.long, device=target.device)
         if not images:
             return Prompt(list(token_ids), None)
         model = target.model
-        pixel_values = target.processor.image_processor(images, return_tensors="pt")["pixel_values"]
+        if pixel_values is None:
+            pixel_values = target.processor.image_processor(images, return_tensors="pt")["pixel_values"]
         patches = patch_embeddings(model, pixel_values.to(target.device, target.dtype))  # [N, S, C]
         projected = model.model.multi_modal_projector(patches)  # [N, S, H]
         found = image_spans(ids, model.config.image_token_id, projected.shape[1])

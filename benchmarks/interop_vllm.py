@@ -207,16 +207,15 @@ def draft_logits_inputs(target, drafter, prompt: list[int], folder: Path) -> Pat
 
 
 def prompt_ids(target, count: int) -> list[list[int]]:
-    from mmvsd.eval.bench import chat_ids
     from mmvsd.eval.suites import load_items
 
-    return [chat_ids(target, [{"role": "user", "content": item.turns[0]}]) for item in load_items("mt_bench", count)]
+    return [target.encode_prompt(item.turns[0]) for item in load_items("mt_bench", count)]
 
 
 def prepare_exports(target, spec: str, work: Path, seed: int) -> tuple:
     """The drafter (`random`, a shipped name or a folder) and its eagle3 and speculators exports under `work`."""
-    from mmvsd.drafter import neural_drafter_from_spec
-    from mmvsd.layouts import export_drafter
+    from mmvsd.drafter_spec import neural_drafter_from_spec
+    from mmvsd.export import export_drafter
 
     drafter = neural_drafter_from_spec(spec, target, seed)  # the EAGLE-3 drafter alone: no n-gram branches
     folder = Path(spec) if Path(spec).is_dir() else work / "drafter"

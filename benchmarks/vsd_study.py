@@ -211,7 +211,7 @@ def measure_counts(target, drafter, prompt_set: PromptSet, shape, temperature: f
 def evaluate_all(args: argparse.Namespace, target, runs: list[dict], prompt_sets: list[PromptSet]) -> dict:
     """{folder: {temperature: {set: [new, forwards]}}} for every distinct run folder and the init drafter
     (the neural drafter alone: no n-gram branches in its trees, which would blur the comparison)."""
-    from mmvsd.drafter import neural_drafter_from_spec
+    from mmvsd.drafter_spec import neural_drafter_from_spec
     from mmvsd.tree import TreeShape
 
     shape = TreeShape.parse(args.tree)

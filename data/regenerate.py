@@ -6,8 +6,8 @@ drafter training). Each conversation is rebuilt turn by turn: system and user tu
 are, and each assistant turn becomes the target's answer to the conversation so far, whose history
 already holds the *regenerated* earlier answers.
 
-Prompts are the tokenizer's chat template over the turns so far with the generation prompt (the
-plain `User: ...\\nAssistant: ` format of `mmvsd.data.render` for tokenizers without a template);
+Prompts are `Target.encode_chat` of the turns so far: the tokenizer's chat template with the generation
+prompt (the plain `User: ...\\nAssistant: ` format, as training renders it, for tokenizers without one);
 answers come from `mmvsd.decode.vanilla_generate` and are decoded without special tokens.
 
 Batching: a pool of up to `batch_size` conversations is in flight; each step answers the next
@@ -19,13 +19,15 @@ with a seed derived from (seed, conv_id, answer index) by CRC-32, which makes th
 of batch size, input order and resumption.
 
 Stopping early: an answer whose prompt would not fit the context window (prompt + max_new_tokens + 1
-> target.max_positions), or an empty answer, ends the conversation after its last regenerated
-assistant turn; a conversation left without an assistant turn is dropped. Assistant turns before the
+> target.max_positions) or is already as long as the training examples (`max_prompt_tokens`: a
+training run truncates there, so later answers would be generated only to be cut off; for the same
+reason an answer is generated only up to that length, plus a margin), or an empty answer, ends the
+conversation after its last regenerated assistant turn; a conversation left without an assistant turn is dropped. Assistant turns before the
 first user turn (greetings) are dropped. Conversations with an image are refused: `vanilla_generate`
 has no image input yet, and answers written without seeing the image would not be on-policy.
 
 Cache (resume): a JSON Lines file, one line per finished conversation,
-`{"key": {target, temperature, max_new_tokens, seed}, "conv_id", "source", "status", "turns": [{"role",
+`{"key": {target, temperature, max_new_tokens, max_prompt_tokens, seed}, "conv_id", "source", "status", "turns": [{"role",
 "text"}, ...], "image"}`, where `source` is a digest of the input conversation (so duplicate ids or an
 edited dataset never pick up a wrong entry) and `status` is complete / too_long / empty_answer. Lines
 are appended and flushed one by one, so an interrupted run loses only the conversations in flight;
@@ -38,6 +40,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -48,14 +51,15 @@ from typing import Any
 from tqdm import tqdm
 
 from mmvsd.data.conversations import Conversation, Turn
-from mmvsd.data.render import PLAIN_PREFIXES, render_plain
 from mmvsd.decode import DecodeConfig, vanilla_generate
 from mmvsd.errors import UserError
+from mmvsd.files import cache_root
 from mmvsd.target import Target
 
 logger = logging.getLogger(__name__)
 
 STATUSES = ("complete", "too_long", "empty_answer")
+BUDGET_MARGIN = 16  # tokens generated past the training length, so the cut never falls inside it
 ConvKey = tuple[str, str]  # (conv_id, source digest): what a cache line answers
 _LINE_START = b'{"key": '  # how every cache line begins (see _cache_record)
 
@@ -91,7 +95,7 @@ class _Rebuild:
     prompt_ids: list[int] | None = None
     status: str | None = None  # set when finished
 
-    def next_answer(self, target: Target, max_new_tokens: int) -> None:
+    def next_answer(self, target: Target, max_new_tokens: int, max_prompt_tokens: int | None = None) -> None:
         """Copy system/user turns up to the next assistant turn and tokenize its prompt, or finish."""
         src = self.source.turns
         while self.position < len(src) and (src[self.position].role != "assistant" or not self._has_user()):
@@ -101,8 +105,9 @@ class _Rebuild:
         if self.position == len(src):
             self.status = "complete"
             return
-        prompt_ids = chat_prompt_ids(target, self.turns)
-        if len(prompt_ids) + max_new_tokens + 1 > target.max_positions:  # +1: vanilla_generate's lookahead
+        prompt_ids = target.encode_chat([{"role": turn.role, "content": turn.text} for turn in self.turns])
+        too_long_for_training = max_prompt_tokens is not None and len(prompt_ids) >= max_prompt_tokens
+        if too_long_for_training or len(prompt_ids) + max_new_tokens + 1 > target.max_positions:  # +1: lookahead
             self._stop("too_long")
             return
         self.prompt_ids = prompt_ids
@@ -131,27 +136,24 @@ class _Rebuild:
         del self.turns[(answered[-1] + 1 if answered else 0):]
 
 
-def chat_prompt_ids(target: Target, turns: Sequence[Turn]) -> list[int]:
-    """Token ids asking the target for the next assistant turn after `turns` (chat template or plain format)."""
-    tokenizer = target.tokenizer
-    if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": turn.role, "content": turn.text} for turn in turns]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    text = render_plain(turns)[0] + PLAIN_PREFIXES["assistant"]
-    return list(tokenizer(text)["input_ids"])
-
-
 def source_digest(conv: Conversation) -> str:
     """Short digest of an input conversation's turns and image, stored with its cache line."""
     payload = json.dumps([[turn.role, turn.text] for turn in conv.turns] + [conv.image], ensure_ascii=False)
     return hashlib.sha1(payload.encode()).hexdigest()[:16]
 
 
-def cache_key(target: Target, temperature: float, max_new_tokens: int, seed: int) -> dict[str, Any]:
+def cache_key(target: Target, temperature: float, max_new_tokens: int, seed: int,
+              max_prompt_tokens: int | None = None) -> dict[str, Any]:
     """The settings a cache line was generated with; lines with another key are refused."""
     return {"target": target.name, "temperature": float(temperature), "max_new_tokens": int(max_new_tokens),
-            "seed": int(seed)}
+            "max_prompt_tokens": max_prompt_tokens, "seed": int(seed)}
+
+
+def default_cache_path(key: dict[str, Any]) -> Path:
+    """The shared cache file of one settings key under the mmvsd cache, so that runs reuse each other's answers."""
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(key["target"])).strip("_")[-48:] or "target"
+    return cache_root() / "regenerated" / f"{name}-{digest}.jsonl"
 
 
 def read_cache(cache_path: Path, key: dict[str, Any]) -> dict[ConvKey, dict[str, Any]]:
@@ -201,20 +203,31 @@ def _cache_record(job: _Rebuild, key: dict[str, Any]) -> dict[str, Any]:
             "turns": [{"role": turn.role, "text": turn.text} for turn in job.turns], "image": job.source.image}
 
 
-def _answer_pool(target: Target, jobs: list[_Rebuild], temperature: float, max_new_tokens: int, seed: int) -> int:
+def answer_budget(prompt_len: int, max_new_tokens: int, max_prompt_tokens: int | None) -> int:
+    """Tokens to generate for an answer: `max_new_tokens`, or fewer when training cuts the conversation at
+    `max_prompt_tokens` anyway (a margin of `BUDGET_MARGIN` covers re-tokenization of the decoded text)."""
+    if max_prompt_tokens is None:
+        return max_new_tokens
+    return max(1, min(max_new_tokens, max_prompt_tokens - prompt_len + BUDGET_MARGIN))
+
+
+def _answer_pool(target: Target, jobs: list[_Rebuild], temperature: float, max_new_tokens: int,
+                 max_prompt_tokens: int | None, seed: int) -> int:
     """Generate the pending answer of every job: one batched call at T = 0, one call per job at T > 0."""
     groups = [jobs] if temperature == 0 else [[job] for job in jobs]
     for group in groups:
         call_seed = seed if temperature == 0 else group[0].answer_seed(seed)
         config = DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=call_seed)
-        results = vanilla_generate(target, [job.prompt_ids for job in group], config)
+        budgets = [answer_budget(len(job.prompt_ids), max_new_tokens, max_prompt_tokens) for job in group]
+        results = vanilla_generate(target, [job.prompt_ids for job in group], config, row_max_new_tokens=budgets)
         for job, result in zip(group, results):
             job.add_answer(target.decode(result.output_ids))
     return len(jobs)
 
 
 def _run_pool(target: Target, pending: list[Conversation], on_finish: Callable[[_Rebuild], None], *,
-              temperature: float, max_new_tokens: int, batch_size: int, seed: int) -> int:
+              temperature: float, max_new_tokens: int, max_prompt_tokens: int | None, batch_size: int,
+              seed: int) -> int:
     """Rebuild `pending` with up to `batch_size` conversations in flight; returns the number of answers."""
     queue = deque(_Rebuild(conv) for conv in pending)
     active: list[_Rebuild] = []
@@ -222,18 +235,18 @@ def _run_pool(target: Target, pending: list[Conversation], on_finish: Callable[[
     while queue or active:
         while queue and len(active) < batch_size:
             job = queue.popleft()
-            job.next_answer(target, max_new_tokens)
+            job.next_answer(target, max_new_tokens, max_prompt_tokens)
             if job.status:
                 on_finish(job)
             else:
                 active.append(job)
         if not active:
             continue
-        num_answers += _answer_pool(target, active, temperature, max_new_tokens, seed)
+        num_answers += _answer_pool(target, active, temperature, max_new_tokens, max_prompt_tokens, seed)
         still_active = []
         for job in active:
             if job.status is None:
-                job.next_answer(target, max_new_tokens)
+                job.next_answer(target, max_new_tokens, max_prompt_tokens)
             if job.status:
                 on_finish(job)
             else:
@@ -258,20 +271,24 @@ def regenerate_conversations(
     target: Target,
     conversations: Sequence[Conversation],
     *,
-    cache_path: str | Path,
+    cache_path: str | Path | None = None,
     temperature: float = 0.0,
     max_new_tokens: int = 512,
+    max_prompt_tokens: int | None = None,
     batch_size: int = 8,
     seed: int = 0,
     progress: bool = True,
     stats: RegenerateStats | None = None,
 ) -> list[Conversation]:
-    """The conversations with every assistant turn rewritten by the target, in input order (resumable via the cache)."""
+    """The conversations with every assistant turn rewritten by the target, in input order (resumable via the cache).
+
+    `cache_path` None: the shared cache of these settings under the mmvsd cache (`default_cache_path`).
+    """
     _check_inputs(target, conversations, batch_size)
     DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature)  # validates both
     stats = stats if stats is not None else RegenerateStats()
-    cache_path = Path(cache_path)
-    key = cache_key(target, temperature, max_new_tokens, seed)
+    key = cache_key(target, temperature, max_new_tokens, seed, max_prompt_tokens)
+    cache_path = Path(cache_path) if cache_path is not None else default_cache_path(key)
     records = read_cache(cache_path, key)
     conv_keys = [(conv.conv_id, source_digest(conv)) for conv in conversations]
     unique = dict(zip(conv_keys, conversations))
@@ -292,9 +309,10 @@ def regenerate_conversations(
             bar.update(1)
 
         stats.num_answers += _run_pool(target, pending, on_finish, temperature=temperature,
-                                       max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed)
+                                       max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens,
+                                       batch_size=batch_size, seed=seed)
     results = _collect(unique, records, stats)
-    logger.info("%s", stats.summary())
+    logger.info("%s (cache %s)", stats.summary(), cache_path)
     return [results[conv_key] for conv_key in conv_keys if conv_key in results]
 
 

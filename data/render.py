@@ -27,13 +27,13 @@ from typing import Any, TypeVar
 
 from mmvsd.data.conversations import Conversation, Turn
 from mmvsd.errors import UserError
+from mmvsd.target import PLAIN_PREFIXES
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Span = tuple[int, int]  # [start, end) character offsets in the rendered text
 
-PLAIN_PREFIXES = {"system": "System: ", "user": "User: ", "assistant": "Assistant: "}
 
 
 @dataclass

@@ -56,6 +56,63 @@ class Eagle1Config:
         return cls(**layer_sizes(target), **extra)
 
 
+class HidingCache(RaggedCache):
+    """The KV cache of the EAGLE-1-family drafters: entries can be hidden from every later query (ViSpec's
+    compressed image tokens are read once, then hidden); the flags follow keep / select_rows / truncation."""
+
+    def __init__(self, batch_size: int, device: torch.device | str = "cpu") -> None:
+        super().__init__(batch_size, device)
+        self.hidden_slots: Tensor | None = None  # [B, <= committed_len] bool: committed entries no query sees
+        self.block_hidden: Tensor | None = None  # [B, <= block_len] bool: the same for block entries
+
+    def hide_new(self, hidden: Tensor) -> None:
+        """Hide the last Q entries appended to the block ([B, Q] bool, True: no later query sees it)."""
+        prior = self._block_hidden(self.block_len() - hidden.shape[1])
+        self.block_hidden = torch.cat([prior, hidden.to(device=self.lens.device, dtype=torch.bool)], dim=1)
+
+    def visible(self, block_mask: Tensor, past_lens: Tensor | None = None) -> Tensor:
+        seen = super().visible(block_mask, past_lens)
+        if self.hidden_slots is None and self.block_hidden is None:
+            return seen
+        hidden = torch.cat([self._committed_hidden(), self._block_hidden(block_mask.shape[2])], dim=1)
+        return seen & ~hidden[:, None, :]
+
+    def on_keep(self, rows: Tensor, dst: Tensor, block_src: Tensor) -> None:
+        """Carry the hidden flags of kept block entries to their committed slots."""
+        if self.hidden_slots is None and self.block_hidden is None:
+            return
+        width = max(self.committed_len, int(dst.max().item()) + 1 if dst.numel() else 0)
+        flags = torch.zeros(self.batch_size, width, dtype=torch.bool, device=self.lens.device)
+        flags[:, : self.committed_len] = self._committed_hidden()
+        flags[rows, dst] = self._block_hidden(self.block_len())[rows, block_src]
+        self.hidden_slots = flags
+
+    def on_select_rows(self, rows: Tensor) -> None:
+        if self.hidden_slots is not None:
+            self.hidden_slots = self.hidden_slots[rows]
+
+    def on_truncate(self, length: int) -> None:
+        self.block_hidden = None
+        if self.hidden_slots is not None:
+            self.hidden_slots = self.hidden_slots[:, :length]
+
+    def _committed_hidden(self) -> Tensor:
+        """[B, committed_len] hidden flags of the committed slots (slots never marked: visible)."""
+        flags = torch.zeros(self.batch_size, self.committed_len, dtype=torch.bool, device=self.lens.device)
+        if self.hidden_slots is not None:
+            known = min(self.committed_len, self.hidden_slots.shape[1])
+            flags[:, :known] = self.hidden_slots[:, :known]
+        return flags
+
+    def _block_hidden(self, width: int) -> Tensor:
+        """[B, width] hidden flags of the first `width` block entries (entries never marked: visible)."""
+        flags = torch.zeros(self.batch_size, width, dtype=torch.bool, device=self.lens.device)
+        if self.block_hidden is not None:
+            known = min(width, self.block_hidden.shape[1])
+            flags[:, :known] = self.block_hidden[:, :known]
+        return flags
+
+
 @dataclass
 class LayerInput:
     """What enters the decoder layer for Q pairs."""
@@ -131,7 +188,7 @@ class Eagle1Drafter(Drafter):
         x = entry.x
         for layer in self.layers:
             x = layer(x, positions, entry.attention_mask, cache)
-        if entry.hide is not None and cache is not None:
+        if entry.hide is not None and cache is not None:  # a HidingCache: `new_cache` made it
             cache.hide_new(entry.hide)
         return x if entry.extra_state is None else torch.cat([x, entry.extra_state.to(x.dtype)], dim=-1)
 
@@ -168,6 +225,9 @@ class Eagle1Drafter(Drafter):
 
     def save_pretrained(self, out_dir: str | Path) -> None:
         save_drafter_folder(self, asdict(self.config), out_dir)
+
+    def new_cache(self, batch_size: int, device: torch.device | str) -> HidingCache:
+        return HidingCache(batch_size, device)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, target) -> Eagle1Drafter:

@@ -28,20 +28,13 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from mmvsd.checkpoints import CONFIG_FILE, read_config, read_tensors
 from mmvsd.drafters.eagle1 import Eagle1Config, Eagle1Drafter
 from mmvsd.drafters.eagle3_layout import EMBEDDINGS, REQUIRED_CONFIG, SUPPORTED_ROPE, rope_settings
 from mmvsd.drafters.msd import MSDDrafter
 from mmvsd.drafters.vispec import ViSpecDrafter
 from mmvsd.errors import UserError
-from mmvsd.layouts import (
-    CONFIG_FILE,
-    Layout,
-    identify_layout,
-    load_checked_state,
-    read_config,
-    read_tensors,
-    register_layout,
-)
+from mmvsd.layouts import Layout, identify_layout, load_checked_state, register_layout
 
 logger = logging.getLogger(__name__)
 

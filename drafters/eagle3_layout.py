@@ -37,17 +37,10 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from mmvsd.checkpoints import CONFIG_FILE, read_config, read_tensors
 from mmvsd.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from mmvsd.errors import UserError
-from mmvsd.layouts import (
-    CONFIG_FILE,
-    Layout,
-    identify_layout,
-    load_checked_state,
-    read_config,
-    read_tensors,
-    register_layout,
-)
+from mmvsd.layouts import Layout, identify_layout, load_checked_state, register_layout
 from mmvsd.target import default_aux_layer_ids
 
 logger = logging.getLogger(__name__)

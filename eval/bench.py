@@ -5,8 +5,10 @@ Methods (`--methods`):
     hf         transformers `generate` (batch 1)
     pld        transformers prompt lookup decoding (`prompt_lookup_num_tokens=10`, batch 1)
     assisted   transformers assisted generation with `--assistant MODEL` (same tokenizer, batch 1)
-    tree       mmvsd tree speculative decoding, once per `--drafter` (rows `tree:<spec>`: `tree:random`,
-               `tree:<folder name>`)
+    tree       mmvsd tree speculative decoding, once per `--drafter` and `--tree` shape (rows `tree:<spec>`:
+               `tree:random`, `tree:<folder name>`; with several shapes `tree:<spec>@<shape>`). The default
+               shape `auto` plans each step from this machine's measured costs and the acceptance seen so far
+               (learnt across the prompts of a row, per temperature); `paper` is 60/7/10 (60/5/8 on images)
 Multi-turn items (MT-Bench) ask turn k after each method's OWN answer to turn k-1, as EAGLE's
 evaluation does. At T=0 EVERY method's output is checked against the own vanilla loop token for
 token, per prompt; the report flags a method with a mismatch and does not show its ratio as a
@@ -31,9 +33,9 @@ import torch
 from mmvsd.adapter import Prompt
 from mmvsd.baselines import hf_generate
 from mmvsd.decode import DecodeConfig, SequenceResult, speculative_generate, vanilla_generate
-from mmvsd.drafter import drafter_from_spec
+from mmvsd.drafter_spec import drafter_from_spec
 from mmvsd.errors import UserError
-from mmvsd.eval.bench_config import BenchConfig
+from mmvsd.eval.bench_config import BenchConfig, tree_shape
 from mmvsd.eval.suites import (
     BenchItem,
     benchmark,
@@ -43,6 +45,8 @@ from mmvsd.eval.suites import (
     resolve_suite,
     synthetic_note,
 )
+from mmvsd.shape_policy import AcceptanceStats
+from mmvsd.shipped import default_drafter
 from mmvsd.target import Target
 
 RECORDS = "records.jsonl"
@@ -62,6 +66,7 @@ class Method:
     own_loop: bool  # counts target forwards (tau)
     batch_one: bool = False  # decodes one prompt at a time (HF baselines, vanilla@b1)
     media_refusal: str = ""  # non-empty: the method cannot take image prompts, and why
+    tree: str = "paper"  # the `--tree` entry it decodes with (tree rows; the others ignore it)
 
 
 def drafter_label(spec: str) -> str:
@@ -102,14 +107,29 @@ def build_methods(config: BenchConfig, target: Target) -> list[Method]:
 
 
 def tree_methods(config: BenchConfig, target: Target) -> list[Method]:
-    """One tree-decoding method per `--drafter`."""
+    """One tree-decoding method per `--drafter` and `--tree` shape."""
     methods = []
-    for spec in config.drafters:
+    for spec in config.drafters or ["default" if default_drafter(config.target_name()) else "random"]:
         drafter = drafter_from_spec(spec, target, config.seed)
         if drafter is None:
             raise UserError("--drafter none: use --methods vanilla (or hf) for plain decoding")
-        methods.append(Method(drafter_label(spec), lambda p, c, d=drafter: speculative_generate(target, d, p, c), True))
+        for tree in config.trees:
+            label = drafter_label(spec) + (f"@{tree}" if len(config.trees) > 1 else "")
+            methods.append(Method(label, TreeGenerate(target, drafter), True, tree=tree))
     return methods
+
+
+class TreeGenerate:
+    """Speculative decoding with one drafter; an auto shape keeps learning acceptance across calls (`stats`,
+    one per temperature: acceptance at T=1 is not acceptance at T=0)."""
+
+    def __init__(self, target: Target, drafter) -> None:
+        self.target, self.drafter = target, drafter
+        self.stats: dict[float, AcceptanceStats] = {}
+
+    def __call__(self, prompts: list, config: DecodeConfig) -> list[SequenceResult]:
+        learnt = self.stats.setdefault(config.temperature, AcceptanceStats()) if config.tree == "auto" else None
+        return speculative_generate(self.target, self.drafter, prompts, config, stats=learnt)
 
 
 def load_assistant(spec: str, target: Target):
@@ -120,14 +140,6 @@ def load_assistant(spec: str, target: Target):
         raise UserError(f"--assistant {spec!r} has a vocabulary of {assistant.vocab_size}, the target "
                         f"{target.vocab_size}: assisted generation needs the same tokenizer")
     return assistant.model
-
-
-def chat_ids(target: Target, messages: list[dict]) -> list[int]:
-    """Token ids of a conversation ending with a user turn, through the chat template."""
-    if target.tokenizer is None or not getattr(target.tokenizer, "chat_template", None):
-        return target.encode_prompt("\n".join(m["content"] for m in messages))
-    ids = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 @dataclass
@@ -173,9 +185,9 @@ def kept_lengths(accept_lengths: list[int], num_kept: int) -> list[int]:
     return out
 
 
-def decode_config(config: BenchConfig, temperature: float, benchmark_name: str = "") -> DecodeConfig:
-    """Decoding settings; the tree shape is the paper's for the benchmark's kind unless the flags set it."""
-    tree = config.tree_shape(is_multimodal([benchmark_name]) if benchmark_name else False)
+def decode_config(config: BenchConfig, method: Method, temperature: float, benchmark_name: str = "") -> DecodeConfig:
+    """Decoding settings of one method; its tree shape resolved for the benchmark's kind (text or images)."""
+    tree = tree_shape(method.tree, is_multimodal([benchmark_name]) if benchmark_name else False)
     return DecodeConfig(config.max_new_tokens, temperature=temperature, seed=config.seed, tree=tree)
 
 
@@ -196,7 +208,7 @@ def make_prompt(target: Target, messages: list[dict], item: BenchItem, turn: int
     if item.images and turn == 0:
         adapter, paths = media.files(target, item)
         return adapter.encode(target, item.turns[0], paths)
-    return chat_ids(target, messages)
+    return target.encode_chat(messages)
 
 
 class MediaWriter:
@@ -241,7 +253,6 @@ def run_batch(target: Target, methods: list[Method], items: list[BenchItem], tem
     """All methods on a batch of items of one benchmark, turn by turn, each on its own history; at T=0
     every method's output is compared with vanilla's."""
     media = media or MediaWriter(Path(config.out) / "images", config.adapter)
-    decode = decode_config(config, temperature, items[0].benchmark)
     batch_id = f"{temperature:g}:{items[0].benchmark}:{items[0].item_id}"
     records = {m.name: [Record(it.benchmark, it.item_id, m.name, temperature, batch_id=batch_id,
                                batch_size=1 if m.batch_one else len(items), synthetic=is_synthetic(it.benchmark))
@@ -258,6 +269,7 @@ def run_batch(target: Target, methods: list[Method], items: list[BenchItem], tem
                 for record in records[method.name]:
                     record.refused = method.media_refusal
                 continue
+            decode = decode_config(config, method, temperature, items[0].benchmark)
             start = time.perf_counter()
             results = method.generate(prompts, decode)
             wall = time.perf_counter() - start
@@ -323,10 +335,10 @@ def check_out_dir(out_dir: Path, config: BenchConfig, resume: bool) -> None:
 def warm_up(methods: list[Method], target: Target, item: BenchItem, config: BenchConfig, media: MediaWriter) -> None:
     """One short generation per method, so no method pays first-call costs inside the measurement."""
     prompt = make_prompt(target, [{"role": "user", "content": item.turns[0]}], item, 0, media)
-    decode = DecodeConfig(WARMUP_TOKENS, tree=decode_config(config, 0.0, item.benchmark).tree)
     for method in methods:
         if not (method.media_refusal and has_media(prompt)):
-            method.generate([prompt], decode)
+            tree = decode_config(config, method, 0.0, item.benchmark).tree
+            method.generate([prompt], DecodeConfig(WARMUP_TOKENS, tree=tree))
 
 
 def run_bench(config: BenchConfig, target: Target | None = None, resume: bool = False,
@@ -345,7 +357,7 @@ def run_bench(config: BenchConfig, target: Target | None = None, resume: bool = 
     if target is None:
         from mmvsd.targets import load_target
 
-        target = load_target(config.target or ("smol-llava" if is_multimodal(names) else "smollm2-135m"))
+        target = load_target(config.target_name())
     methods = sorted(build_methods(config, target), key=lambda m: m.name != "vanilla")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")

@@ -32,15 +32,20 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default=defaults.target,
                    help="target (default: smol-llava for suites with images, else smollm2-135m)")
     p.add_argument("--drafter", type=_list, default=defaults.drafters,
-                   help="drafter folder(s), comma-separated, compared side by side (default: random, an untrained "
-                        "EAGLE-3 drafter)")
+                   help="drafter folder(s) or shipped drafter names, comma-separated, compared side by side (default: "
+                        "the target's shipped drafter, else random, an untrained EAGLE-3 drafter)")
     p.add_argument("--methods", type=_list, default=defaults.methods, help=f"subset of {','.join(METHODS)}")
     p.add_argument("--temperature", type=_temperatures, default=defaults.temperatures, help="e.g. 0,1")
     p.add_argument("--limit", type=int, default=defaults.limit, help="items per benchmark (0: all)")
     p.add_argument("--batch-size", type=int, default=defaults.batch_size)
     p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    p.add_argument("--tree", type=_list, default=None,
+                   help="draft tree shape(s), comma-separated, one tree row per drafter and shape: auto (default: "
+                        "planned per step from this machine's measured costs and the acceptance seen), paper (60/7/10 "
+                        "on text, 60/5/8 on image benchmarks) or BUDGET/DEPTH/TOPK")
     p.add_argument("--tree-budget", type=int, default=None,
-                   help="draft tree nodes (default: 60, the paper's for text and image targets)")
+                   help="fixed shape instead of --tree: draft tree nodes (default: 60, the paper's for text and image "
+                        "targets)")
     p.add_argument("--tree-depth", type=int, default=None,
                    help="draft tree depth (default: 7 on text benchmarks, 5 on image benchmarks, as the paper)")
     p.add_argument("--tree-topk", type=int, default=None,
@@ -57,10 +62,13 @@ def run_bench_command(args: argparse.Namespace) -> None:
     tree = (args.tree_budget, args.tree_depth, args.tree_topk)
     if any(value is not None and value < 1 for value in tree):
         raise UserError("--tree-budget, --tree-depth and --tree-topk must be >= 1")
+    if args.tree is not None and any(value is not None for value in tree):
+        raise UserError("--tree and --tree-budget/--tree-depth/--tree-topk are two ways to say one thing: give one")
+    fixed = any(value is not None for value in tree)
+    trees = ["/".join(str(value or 0) for value in tree)] if fixed else (args.tree or BenchConfig().trees)
     config = BenchConfig(suite=args.suite, target=args.target, drafters=args.drafter, methods=args.methods,
                          temperatures=args.temperature, limit=args.limit, batch_size=args.batch_size,
-                         max_new_tokens=args.max_new_tokens, tree_budget=tree[0] or 0, tree_depth=tree[1] or 0,
-                         tree_topk=tree[2] or 0, assistant=args.assistant, adapter=args.adapter, seed=args.seed,
+                         max_new_tokens=args.max_new_tokens, trees=trees, assistant=args.assistant, adapter=args.adapter, seed=args.seed,
                          out=args.out)
     from mmvsd.eval.bench import run_bench
 

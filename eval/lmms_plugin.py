@@ -6,11 +6,14 @@
 
 model_args (lmms-eval's `key=value,key=value`; unknown keys are errors):
     target          mmvsd target: built-in name, local folder, .gguf file or cached HF id (required)
-    drafter         a drafter folder, `none` (plain autoregressive decoding) or `random` (untrained EAGLE-3)
+    drafter         a drafter folder, a shipped drafter name (`default`), `none` (plain autoregressive decoding)
+                    or `random` (untrained EAGLE-3); default: the target's shipped drafter if it has one, else none
     temperature     default 0; max_new_tokens default 128. Both apply only where the task's generation
                     kwargs do not say; lmms-eval's `--gen_kwargs temperature=...` overrides the tasks.
-    tree_budget / tree_depth / tree_topk   the draft tree shape (the paper's: 60 / 5 / 8 for an image target,
-                    60 / 7 / 10 for a text-only one; each value given overrides its default)
+    tree            auto (default: each step planned from this machine's measured costs and the acceptance
+                    seen so far), paper (60/5/8 for an image target, 60/7/10 for a text-only one) or B/D/K
+    tree_budget / tree_depth / tree_topk   a fixed shape instead of `tree` (each value given overrides the
+                    paper's)
     adapter         modality adapter for image prompts (default: the first registered one that fits)
     seed            sampling seed, the same for every request (results do not depend on request order)
     records         JSONL file rewritten after every batch of requests with one record per sample
@@ -113,9 +116,10 @@ class MmvsdLmms(lmms):
     def __init__(
         self,
         target: str = "",
-        drafter: str = "none",
+        drafter: str = "",
         temperature: float = 0.0,
         max_new_tokens: int = 128,
+        tree: str = "",
         tree_budget: int = 0,
         tree_depth: int = 0,
         tree_topk: int = 0,
@@ -138,9 +142,11 @@ class MmvsdLmms(lmms):
                             f"sample): use batch_size 1, not {batch_size}")
         if dtype not in DTYPES:
             raise UserError(f"unknown dtype {dtype!r}; choose {', '.join(DTYPES)}")
-        from mmvsd.drafter import drafter_from_spec
+        from mmvsd.drafter_spec import drafter_from_spec
+        from mmvsd.eval.bench_config import tree_shape
+        from mmvsd.shape_policy import AcceptanceStats
+        from mmvsd.shipped import default_drafter
         from mmvsd.targets import load_target
-        from mmvsd.tree import TreeShape
 
         self.temperature = float(temperature)
         self.max_new_tokens = int(max_new_tokens)
@@ -148,12 +154,15 @@ class MmvsdLmms(lmms):
         self.records_path = Path(records) if records else None
         self.records: list[dict[str, Any]] = []
         self.target = load_target(str(target), dtype=DTYPES[dtype], device=device or "cpu")
-        from mmvsd.eval.bench_config import IMAGE_TREE, TEXT_TREE
-
-        default = IMAGE_TREE if self.target.processor is not None else TEXT_TREE
-        chosen = (int(tree_budget), int(tree_depth), int(tree_topk))
-        self.tree = TreeShape(*(value or fallback for value, fallback in zip(chosen, default)))
-        self.drafter = drafter_from_spec(str(drafter), self.target, self.seed)
+        fixed = (int(tree_budget), int(tree_depth), int(tree_topk))
+        if tree and any(fixed):
+            raise UserError("model_args tree and tree_budget/tree_depth/tree_topk are two ways to say one thing: "
+                            "give one")
+        spec = "/".join(map(str, fixed)) if any(fixed) else str(tree or "auto")
+        self.tree = tree_shape(spec, multimodal=self.target.processor is not None)
+        self.acceptance = AcceptanceStats()  # what the auto shape learns, across requests
+        drafter = str(drafter) or ("default" if default_drafter(str(target)) else "none")
+        self.drafter = drafter_from_spec(drafter, self.target, self.seed)
         self.adapter_name = str(adapter)
         self._image_adapter: ModalityAdapter | None = None
         self._warned_keys: set[str] = set()
@@ -205,7 +214,8 @@ class MmvsdLmms(lmms):
         config = self.decode_config(gen_kwargs)
         if self.drafter is None:
             return vanilla_generate(self.target, [prompt], config)[0]
-        return speculative_generate(self.target, self.drafter, [prompt], config)[0]
+        stats = self.acceptance if config.tree == "auto" else None
+        return speculative_generate(self.target, self.drafter, [prompt], config, stats=stats)[0]
 
     def generate_until(self, requests: list[Instance]) -> list[GenerationResult]:
         """One answer (text and token counts) per request, in request order; appends a record per request

@@ -26,10 +26,6 @@ IMAGE_MARKER = "<image>"
 LOCAL_BUILDERS = {"json", "parquet", "csv", "arrow", "text", "imagefolder"}
 
 
-def is_task(name: str) -> bool:
-    return name in REAL_TASKS or name in MINI_NAMES
-
-
 @contextlib.contextmanager
 def _offline() -> Iterator[None]:
     """No network while lmms-eval loads a dataset: a dataset that is not cached fails at once."""
@@ -74,7 +70,7 @@ def _dataset_on_disk(name: str) -> bool:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
-    from mmvsd.layouts import hf_hub_cache
+    from mmvsd.checkpoints import hf_hub_cache
 
     path = str(_task_manager()._get_config(name).get("dataset_path", ""))
     if path in LOCAL_BUILDERS or Path(path).expanduser().exists():

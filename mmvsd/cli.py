@@ -9,7 +9,7 @@ import sys
 
 from mmvsd.errors import UserError
 from mmvsd.eval.bench_cli import add_bench_parser, run_bench_command
-from mmvsd.layouts import add_export_parser, run_export
+from mmvsd.export import add_export_parser, run_export
 
 
 def _positive_int(text: str) -> int:
@@ -184,7 +184,7 @@ def run_generate(args: argparse.Namespace) -> None:
     import torch
 
     from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate
-    from mmvsd.drafter import check_ngram_options, drafter_from_spec
+    from mmvsd.drafter_spec import check_ngram_options, drafter_from_spec
     from mmvsd.prompts import read_prompt_file
     from mmvsd.shape_policy import AcceptanceStats
     from mmvsd.shipped import implicit_drafter_spec
@@ -258,7 +258,8 @@ def run_eval_drafter(args: argparse.Namespace) -> None:
     import time
 
     from mmvsd import evaluate
-    from mmvsd.drafter import Drafter, drafter_from_spec
+    from mmvsd.drafter import Drafter
+    from mmvsd.drafter_spec import drafter_from_spec
     from mmvsd.shipped import implicit_drafter_spec
     from mmvsd.targets import load_target
 
@@ -306,7 +307,7 @@ def run_adapters(args: argparse.Namespace) -> None:
 def run_profile(args: argparse.Namespace) -> None:
     """`mmvsd profile`: load (measuring once) the cost table, print it, optionally plot it."""
     from mmvsd.costs import cost_key, cost_table_path, format_cost_table, load_cost_table, plot_cost_table
-    from mmvsd.drafter import drafter_from_spec
+    from mmvsd.drafter_spec import drafter_from_spec
     from mmvsd.targets import load_target
 
     if args.plot and not args.plot.lower().endswith(".png"):

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from mmvsd.drafter import DraftInputs
-from mmvsd.files import atomic_file
+from mmvsd.files import atomic_file, cache_root
 from mmvsd.kv import RaggedCache, sequence_block
 from mmvsd.target import Target
 from mmvsd.tree import DraftTree
@@ -360,7 +360,6 @@ def cost_key(target: Target, drafter, batch_sizes: tuple[int, ...], context: int
 
 
 def profiles_dir() -> Path:
-    from mmvsd.targets import cache_root
 
     return cache_root() / "profiles"
 

@@ -17,8 +17,8 @@ from mmvsd.costs import load_cost_table
 from mmvsd.drafter import Drafter, DraftInputs, PairMedia
 from mmvsd.errors import UserError
 from mmvsd.kv import sequence_block
-from mmvsd.target import Target
 from mmvsd.shape_policy import AcceptanceStats, AutoShape, SpeedGuard, StepCosts
+from mmvsd.target import Target
 from mmvsd.tree import ShapePlan, TreeShape, build_dynamic_tree, root_only_tree
 from mmvsd.verify import row_generators, sample_next, verify
 
@@ -109,18 +109,20 @@ def _prefill(target: Target, prompts: list[Prompt], need_aux: bool):
 class _Tracker:
     """Appends accepted tokens per row, applies max length and EOS, and times each row."""
 
-    def __init__(self, prompts: list[Prompt], target: Target, config: DecodeConfig) -> None:
+    def __init__(self, prompts: list[Prompt], target: Target, config: DecodeConfig,
+                 row_max_new_tokens: list[int] | None = None) -> None:
         self.results = [SequenceResult(list(p.token_ids)) for p in prompts]
         self.active = list(range(len(prompts)))  # result index of each live batch row
         self.eos = target.eos_token_ids
-        self.max_new = config.max_new_tokens
+        self.max_new = row_max_new_tokens or [config.max_new_tokens] * len(prompts)  # per result index
         self.start = time.perf_counter()
 
     def add(self, row: int, token_ids: list[int], num_nodes: int = 1) -> None:
         result = self.results[self.active[row]]
+        max_new = self.max_new[self.active[row]]
         result.num_target_forwards += 1
         result.tree_sizes.append(num_nodes)
-        room = self.max_new - len(result.output_ids)
+        room = max_new - len(result.output_ids)
         kept = token_ids[:room]
         for pos, token in enumerate(kept):
             if token in self.eos:
@@ -128,7 +130,7 @@ class _Tracker:
                 break
         result.output_ids.extend(kept)
         result.accept_lengths.append(len(token_ids))
-        if len(result.output_ids) >= self.max_new or (kept and kept[-1] in self.eos):
+        if len(result.output_ids) >= max_new or (kept and kept[-1] in self.eos):
             result.finished = True
             result.wall_seconds = time.perf_counter() - self.start
 
@@ -140,12 +142,21 @@ class _Tracker:
 
 
 @torch.no_grad()
-def vanilla_generate(target: Target, prompts: list[PromptLike], config: DecodeConfig) -> list[SequenceResult]:
-    """Plain autoregressive decoding on the same target wrapper: the speed-up denominator."""
+def vanilla_generate(target: Target, prompts: list[PromptLike], config: DecodeConfig,
+                     row_max_new_tokens: list[int] | None = None) -> list[SequenceResult]:
+    """Plain autoregressive decoding on the same target wrapper: the speed-up denominator.
+
+    `row_max_new_tokens`: a smaller budget per prompt (each at most `config.max_new_tokens`); a row leaves
+    the batch when it is spent, as at EOS.
+    """
     prompts = as_prompts(prompts)
     _check_prompts(target, prompts, config, lookahead=1)
+    if row_max_new_tokens is not None and (
+            len(row_max_new_tokens) != len(prompts)
+            or not all(1 <= n <= config.max_new_tokens for n in row_max_new_tokens)):
+        raise UserError(f"row_max_new_tokens needs one budget in [1, {config.max_new_tokens}] per prompt")
     generator = row_generators([p.token_ids for p in prompts], config.seed)  # one per row
-    tracker = _Tracker(prompts, target, config)
+    tracker = _Tracker(prompts, target, config, row_max_new_tokens)
     cache, _, _, out, _ = _prefill(target, prompts, need_aux=False)
     next_ids = sample_next(out.logits[:, 0], config.temperature, generator)  # [B]
     for row, token in enumerate(next_ids.tolist()):

@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import ClassVar
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from mmvsd.checkpoints import read_config
 from mmvsd.errors import UserError
+from mmvsd.files import atomic_dir
 from mmvsd.kv import RaggedCache, sequence_block
 
 DRAFTERS: dict[str, type[Drafter]] = {}
@@ -143,11 +146,13 @@ class Drafter(nn.Module):
     def new_session(self, batch_size: int) -> DraftSession:
         return DraftSession(self, batch_size)
 
+    def new_cache(self, batch_size: int, device: torch.device | str) -> RaggedCache:
+        """The drafter's own KV cache (a drafter that keeps more beside its keys and values subclasses it)."""
+        return RaggedCache(batch_size, device)
+
 
 def load_drafter(path: str | Path, target) -> Drafter:
     """Load a drafter directory (config.json + model.safetensors) for `target`."""
-    from mmvsd.layouts import read_config
-
     path = Path(path)
     drafter_type = read_config(path).get("mmvsd_drafter_type")
     if not drafter_type:
@@ -170,55 +175,8 @@ def check_fits_target(target, hidden_size: int, vocab_size: int, made_for: str, 
         raise UserError(f"drafter does not fit target {target.name!r}{made_for}: " + "; ".join(problems))
 
 
-def drafter_from_spec(spec: str, target, seed: int = 0, ngram: bool | None = None):
-    """What `--drafter` names: the n-gram (prompt-lookup) proposer for `ngram` or `ngram:key=value,...`,
-    else `neural_drafter_from_spec`, with n-gram branches in its trees unless `ngram` is False (None: on).
-    Returns None (plain decoding), a `Drafter`, an `NgramDrafter` or a `HybridDrafter`."""
-    from mmvsd.ngram import NgramDrafter, parse_ngram_spec
-
-    check_ngram_options(spec, ngram)
-    if spec == "none" or spec.partition(":")[0] == "ngram":
-        return None if spec == "none" else NgramDrafter(parse_ngram_spec(spec))
-    drafter = neural_drafter_from_spec(spec, target, seed)
-    if ngram is False:
-        return drafter
-    from mmvsd.hybrid import with_ngram
-
-    return with_ngram(drafter)
-
-
-def check_ngram_options(spec: str, ngram: bool | None) -> None:
-    """UserError for n-gram settings that cannot apply to `--drafter spec` (cheap: call before loading)."""
-    from mmvsd.ngram import parse_ngram_spec
-
-    if ngram and (spec == "none" or spec.partition(":")[0] == "ngram"):
-        raise UserError(f"--ngram on adds n-gram branches to a neural drafter's trees, and --drafter {spec} "
-                        f"is not one (--drafter ngram drafts with n-grams alone; drop --ngram on)")
-    if spec.partition(":")[0] == "ngram":
-        parse_ngram_spec(spec)
-
-
-def neural_drafter_from_spec(spec: str, target, seed: int = 0) -> Drafter | None:
-    """What `--drafter` names: None for `none` (plain decoding), an untrained EAGLE-3 drafter for
-    `random`, the target's shipped drafter for `default` or a shipped name (e.g. `eagle3-ce`: a spec
-    with no slash that is no folder here), else the drafter folder `spec`."""
-    if spec == "none":
-        return None
-    if spec == "random":
-        return drafter_class("eagle3").from_target(target, seed=seed).eval()
-    if spec == "default" or ("/" not in spec and not Path(spec).exists()):
-        from mmvsd.shipped import resolve_drafter
-
-        return load_drafter(resolve_drafter(spec, target.name), target)
-    return load_drafter(spec, target)
-
-
 def save_drafter_folder(drafter: Drafter, config: dict, out_dir: str | Path) -> None:
     """Write config.json (with `mmvsd_drafter_type`) + model.safetensors atomically."""
-    from safetensors.torch import save_file
-
-    from mmvsd.files import atomic_dir
-
     config = {"mmvsd_drafter_type": drafter.drafter_type, "architectures": [type(drafter).__name__], **config}
     tensors = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
     with atomic_dir(out_dir) as tmp:
@@ -228,10 +186,6 @@ def save_drafter_folder(drafter: Drafter, config: dict, out_dir: str | Path) -> 
 
 def read_drafter_config(path: str | Path, config_class: type, what: str):
     """The `config_class` dataclass from a drafter folder's config.json (unknown keys are ignored)."""
-    from dataclasses import fields
-
-    from mmvsd.layouts import read_config
-
     path = Path(path)
     raw = read_config(path)
     known = {f.name for f in fields(config_class)}
@@ -243,8 +197,6 @@ def read_drafter_config(path: str | Path, config_class: type, what: str):
 
 def load_drafter_weights(drafter: Drafter, path: str | Path, what: str) -> None:
     """Load model.safetensors into `drafter`; any missing or unexpected key is an error."""
-    from safetensors.torch import load_file
-
     path = Path(path)
     try:
         state = load_file(str(path / "model.safetensors"))
@@ -271,7 +223,7 @@ class DraftSession:
         self.drafter = drafter
         device = next(drafter.parameters()).device
         self.dtype = next(drafter.parameters()).dtype
-        self.cache = RaggedCache(batch_size, device)
+        self.cache = drafter.new_cache(batch_size, device)
         self.last_hidden: Tensor | None = None  # [B, H] output at each row's last committed pair
         self.frontier_hidden: Tensor | None = None  # [B, K, H] outputs of the last expanded frontier
         self.num_expanded = 0

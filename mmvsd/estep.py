@@ -165,7 +165,7 @@ def draft_pass(
     slots = num_samples + num_given
     dtype = next(drafter.parameters()).dtype
     device = tokens.input_ids.device
-    cache = RaggedCache(batch_size, device)
+    cache = drafter.new_cache(batch_size, device)
     depths, causal = sequence_block(batch_size, width, device)
     features, next_ids, media = draft_step0_inputs(drafter, batch)
     step0 = drafter(features, next_ids, depths, cache.attention_mask(causal, dtype), cache, from_target=True,

@@ -31,6 +31,8 @@ from mmvsd.decode import DecodeConfig, PromptLike, as_prompts, vanilla_generate
 from mmvsd.drafter import Drafter, DraftInputs, DraftSession, PairMedia
 from mmvsd.errors import UserError
 from mmvsd.features import TokenBatch, capture_features
+from mmvsd.files import atomic_file, cache_root
+from mmvsd.shipped import target_checksum
 from mmvsd.target import Target
 from mmvsd.tree import DraftTree, TreeShape, build_dynamic_tree
 from mmvsd.verify import verify_greedy_choices
@@ -116,8 +118,6 @@ def greedy_continuations(
 
 def continuation_key(target: Target, prompts: list[PromptLike], max_new_tokens: int) -> str:
     """sha256 of (target weights, EOS ids, prompts with their media embeddings, max_new_tokens)."""
-    from mmvsd.shipped import target_checksum
-
     digest = hashlib.sha256()
     header = {"target": target_checksum(target), "eos": sorted(target.eos_token_ids), "max_new": max_new_tokens}
     digest.update(json.dumps(header, sort_keys=True).encode())
@@ -133,9 +133,6 @@ def cached_greedy_continuations(
     cache_dir: str | Path | None = None,
 ) -> list[list[int]]:
     """`greedy_continuations`, read from (or written to) a cache under the mmvsd cache."""
-    from mmvsd.files import atomic_file
-    from mmvsd.targets import cache_root
-
     key = continuation_key(target, prompts, max_new_tokens)
     path = Path(cache_dir) if cache_dir is not None else cache_root() / "continuations"
     path = path / f"{key[:40]}.json"

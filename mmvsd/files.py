@@ -1,4 +1,4 @@
-"""Atomic file-system writes: results appear whole under their final name, or not at all."""
+"""Files: atomic writes (results appear whole under their final name, or not at all), checksums, the mmvsd cache folder."""
 
 from __future__ import annotations
 
@@ -53,3 +53,11 @@ def file_sha256(path: str | Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def cache_root() -> Path:
+    """Where mmvsd keeps converted weights and other derived files."""
+    if os.environ.get("MMVSD_CACHE"):
+        return Path(os.environ["MMVSD_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mmvsd"

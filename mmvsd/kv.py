@@ -100,8 +100,6 @@ class RaggedCache:
         self.kv = Cache(layer_class_to_replicate=SlotLayer)
         self.lens = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
         self.committed_len = 0  # slots before this index are committed-or-stale; after: the block
-        self.hidden_slots: Tensor | None = None  # [B, committed_len] bool: committed entries no query sees
-        self.block_hidden: Tensor | None = None  # [B, <= block_len] bool: the same for block entries
         self.row_state: dict[str, Tensor] = {}  # per-row values [B, ...] a model keeps beside its KV
 
     @property
@@ -126,32 +124,18 @@ class RaggedCache:
         commit, the N new ones last) each query sees. Committed slot j is seen iff j < past_lens[b, n]
         (default lens[b]); a shorter past lets drafts branch off any prefix of a committed sequence.
         """
+        visible = self.visible(block_mask, past_lens)
+        mask = torch.zeros(visible.shape, dtype=dtype, device=self.lens.device)
+        return mask.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
+
+    def visible(self, block_mask: Tensor, past_lens: Tensor | None = None) -> Tensor:
+        """[B, N, committed_len + M] bool: which entries each new query sees (see `attention_mask`).
+        A subclass that hides entries narrows it."""
         batch, num_queries, _ = block_mask.shape
         limit = self.lens[:, None].expand(batch, num_queries) if past_lens is None else past_lens
         slots = torch.arange(self.committed_len, device=self.lens.device)
         past_visible = slots[None, None, :] < limit.to(self.lens.device)[:, :, None]
-        block_visible = block_mask.to(self.lens.device)
-        if self.hidden_slots is not None:
-            past_visible = past_visible & ~self._committed_hidden()[:, None, :]
-        if self.block_hidden is not None:
-            block_visible = block_visible & ~self._block_hidden(block_mask.shape[2])[:, None, :]
-        visible = torch.cat([past_visible, block_visible], dim=2)
-        mask = torch.zeros(visible.shape, dtype=dtype, device=self.lens.device)
-        return mask.masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
-
-    def hide_new(self, hidden: Tensor) -> None:
-        """Hide the last Q entries appended to the block ([B, Q] bool, True: no later query sees it)."""
-        width = self.block_len()
-        prior = self._block_hidden(width - hidden.shape[1])
-        self.block_hidden = torch.cat([prior, hidden.to(device=self.lens.device, dtype=torch.bool)], dim=1)
-
-    def _block_hidden(self, width: int) -> Tensor:
-        """[B, width] hidden flags of the first `width` block entries (entries never marked: visible)."""
-        flags = torch.zeros(self.batch_size, width, dtype=torch.bool, device=self.lens.device)
-        if self.block_hidden is not None:
-            known = min(width, self.block_hidden.shape[1])
-            flags[:, :known] = self.block_hidden[:, :known]
-        return flags
+        return torch.cat([past_visible, block_mask.to(self.lens.device)], dim=2)
 
     def keep(self, block_indices: Tensor, num_keep: Tensor) -> None:
         """Commit block entries: row b keeps block_indices[b, :num_keep[b]] ([B, A], [B]).
@@ -167,26 +151,18 @@ class RaggedCache:
         if bool((src != dst).any()):
             for layer in self.kv.layers:
                 layer.move(rows, dst, src)
-        if self.hidden_slots is not None or self.block_hidden is not None:
-            self._keep_hidden(rows, dst, src - self.committed_len)
+        self.on_keep(rows, dst, src - self.committed_len)
         self.lens = self.lens + num_keep
         self._truncate(int(self.lens.max().item()) if self.batch_size else 0)
 
-    def _committed_hidden(self) -> Tensor:
-        """[B, committed_len] hidden flags of the committed slots."""
-        flags = torch.zeros(self.batch_size, self.committed_len, dtype=torch.bool, device=self.lens.device)
-        known = min(self.committed_len, self.hidden_slots.shape[1])
-        flags[:, :known] = self.hidden_slots[:, :known]
-        return flags
+    def on_keep(self, rows: Tensor, dst: Tensor, block_src: Tensor) -> None:
+        """Hook: block entries `block_src` of rows `rows` were committed to slots `dst` (before `lens` grows)."""
 
-    def _keep_hidden(self, rows: Tensor, dst: Tensor, block_src: Tensor) -> None:
-        """Carry the hidden flags of kept block entries to their committed slots."""
-        width = max(self.committed_len, int(dst.max().item()) + 1 if dst.numel() else 0)
-        flags = torch.zeros(self.batch_size, width, dtype=torch.bool, device=self.lens.device)
-        if self.hidden_slots is not None:
-            flags[:, : self.committed_len] = self._committed_hidden()
-        flags[rows, dst] = self._block_hidden(self.block_len())[rows, block_src]
-        self.hidden_slots = flags
+    def on_select_rows(self, rows: Tensor) -> None:
+        """Hook: only the batch rows `rows` remain."""
+
+    def on_truncate(self, length: int) -> None:
+        """Hook: every row was cut to `length` slots, all committed (the block is gone)."""
 
     def drop_block(self) -> None:
         """Forget every entry appended since the last commit (drafter tree rollback)."""
@@ -195,8 +171,7 @@ class RaggedCache:
     def select_rows(self, rows: Tensor) -> None:
         """Keep only the batch rows `rows` ([B'] long), e.g. to drop finished sequences."""
         self.lens = self.lens[rows]
-        if self.hidden_slots is not None:
-            self.hidden_slots = self.hidden_slots[rows]
+        self.on_select_rows(rows)
         self.row_state = {name: value[rows] for name, value in self.row_state.items()}
         for layer in self.kv.layers:
             layer.select_rows(rows)
@@ -205,8 +180,6 @@ class RaggedCache:
     def _truncate(self, length: int) -> None:
         """Cut every layer to `length` slots, which become the committed length."""
         self.committed_len = length
-        self.block_hidden = None
-        if self.hidden_slots is not None:
-            self.hidden_slots = self.hidden_slots[:, :length]
+        self.on_truncate(length)
         for layer in self.kv.layers:
             layer.truncate(length)

@@ -7,36 +7,25 @@ recognises it from config.json and the weight names, and `released` maps a targe
 repo id of the drafter published for that target. Layouts live beside their drafter in `drafters/`
 and call `register_layout`; `hf` is our own `save_pretrained` folder, so exporting to it round-trips.
 
-`--init` (see `resolve_init`) accepts:
-    none          start from a freshly initialised drafter
-    PATH          a drafter folder of ours (or a folder a registered layout recognises)
-    LAYOUT        the drafter released for the target in that layout, from the local HF cache
-    LAYOUT:PATH   a local folder in that layout
+Reading the folders is `mmvsd.checkpoints`; `--init` is `mmvsd.drafter_init`; `mmvsd export` is
+`mmvsd.export`.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from mmvsd.checkpoints import CONFIG_FILE, read_config, read_keys
+from mmvsd.drafter import Drafter, load_drafter
 from mmvsd.errors import UserError
-from mmvsd.files import atomic_dir
 
 if TYPE_CHECKING:
     from torch import Tensor
 
-    from mmvsd.drafter import Drafter
     from mmvsd.target import Target
 
 LAYOUTS: dict[str, Layout] = {}
-CONFIG_FILE = "config.json"
-# weight files a layout may use, in the order they are looked for
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
 
 
 class Layout:
@@ -75,8 +64,6 @@ class HFLayout(Layout):
         drafter.save_pretrained(out_dir)
 
     def load(self, path: Path, target: Target) -> Drafter:
-        from mmvsd.drafter import load_drafter
-
         return load_drafter(path, target)
 
     def detect(self, config: dict, keys: set[str]) -> bool:
@@ -121,130 +108,12 @@ def identify_layout(config: dict, keys: set[str], exclude: tuple[str, ...] = ())
 register_layout(HFLayout())
 
 
-# ---- reading checkpoint folders (shared by every layout) ----
-
 def load_checked_state(drafter: Drafter, state: dict[str, Tensor], target: Target) -> Drafter:
     """Load an already checked state (cast to the drafter's dtypes) and hand the drafter over for `target`."""
     dtypes = {k: v.dtype for k, v in drafter.state_dict().items()}
     drafter.load_state_dict({k: v.to(dtypes[k]) for k, v in state.items()})
     drafter.check_target(target)
     return drafter.to(device=target.device, dtype=target.dtype).eval()
-
-
-def read_config(path: Path) -> dict:
-    """config.json of the checkpoint folder `path` as a dict (UserError if absent or invalid)."""
-    config_file = Path(path) / CONFIG_FILE
-    if not config_file.is_file():
-        raise UserError(f"checkpoint folder {path} has no {CONFIG_FILE}")
-    try:
-        config = json.loads(config_file.read_text())
-    except json.JSONDecodeError as err:
-        raise UserError(f"{config_file} is not valid JSON: {err}") from None
-    if not isinstance(config, dict):
-        raise UserError(f"{config_file} does not hold a JSON object")
-    return config
-
-
-def weight_files(path: Path) -> list[Path]:
-    """The weight files of a checkpoint folder (single file or the shards an index names)."""
-    path = Path(path)
-    for name in WEIGHT_FILES:
-        found = path / name
-        if not found.is_file():
-            continue
-        if not name.endswith(".index.json"):
-            return [found]
-        try:
-            shards = sorted(set(json.loads(found.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, AttributeError) as err:
-            raise UserError(f"{found} is not a valid weight index: {err}") from None
-        return [path / shard for shard in shards]
-    raise UserError(f"{path} holds no weights (looked for {', '.join(WEIGHT_FILES)})")
-
-
-def _read_errors() -> tuple[type[Exception], ...]:
-    """What reading a missing, truncated or corrupt weight file raises (safetensors, torch.load)."""
-    import pickle
-
-    from safetensors import SafetensorError
-
-    return (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError, SafetensorError)
-
-
-def read_tensors(path: Path) -> dict[str, Tensor]:
-    """Every tensor of a checkpoint folder by name, on the CPU, as stored (safetensors or .bin)."""
-    import torch
-    from safetensors.torch import load_file
-
-    tensors: dict[str, Tensor] = {}
-    for file in weight_files(path):
-        try:
-            if file.suffix == ".safetensors":
-                part = load_file(str(file))
-            else:
-                part = torch.load(file, map_location="cpu", weights_only=True)
-        except _read_errors() as err:
-            raise UserError(f"cannot read weights {file}: {type(err).__name__}: {err}") from None
-        if not isinstance(part, dict) or not all(isinstance(v, torch.Tensor) for v in part.values()):
-            raise UserError(f"{file} does not hold a flat mapping of tensor names to tensors")
-        tensors.update(part)
-    return tensors
-
-
-def read_keys(path: Path) -> set[str]:
-    """Tensor names of a checkpoint folder, without reading safetensors data."""
-    from safetensors import safe_open
-
-    files = weight_files(path)
-    if all(f.suffix == ".safetensors" for f in files):
-        try:
-            keys: set[str] = set()
-            for file in files:
-                with safe_open(str(file), framework="pt") as handle:
-                    keys.update(handle.keys())
-            return keys
-        except _read_errors() as err:
-            raise UserError(f"cannot read weights in {path}: {type(err).__name__}: {err}") from None
-    return set(read_tensors(path))
-
-
-# ---- --init ----
-
-@dataclass(frozen=True)
-class InitSource:
-    """Where `--init` points: a folder and the layout to read it with."""
-
-    layout: Layout
-    path: Path
-
-    def load(self, target: Target) -> Drafter:
-        return self.layout.load(self.path, target)
-
-
-def resolve_init(spec: str, target_name: str) -> InitSource | None:
-    """Resolve `--init` (none | PATH | LAYOUT | LAYOUT:PATH) to a folder and layout; None for none."""
-    if spec == "none":
-        return None
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        return InitSource(folder_layout(path), path)
-    names = layout_names()
-    name, sep, rest = spec.partition(":")
-    if sep and name in LAYOUTS:
-        folder = Path(rest).expanduser()
-        if not folder.is_dir():
-            raise UserError(f"--init {spec}: folder {folder} not found")
-        return InitSource(LAYOUTS[name], folder)
-    if spec in LAYOUTS:
-        return InitSource(LAYOUTS[spec], released_folder(LAYOUTS[spec], target_name))
-    raise UserError(f"--init {spec!r}: no such folder, and not 'none', a layout name ({', '.join(names)}) "
-                    f"or LAYOUT:PATH")
-
-
-def load_init(spec: str, target: Target) -> Drafter | None:
-    """The drafter `--init` names, loaded for `target` (None for none)."""
-    source = resolve_init(spec, target.name)
-    return None if source is None else source.load(target)
 
 
 def folder_layout(path: Path) -> Layout:
@@ -263,105 +132,6 @@ def folder_layout(path: Path) -> Layout:
     return LAYOUTS[name]
 
 
-def released_folder(layout: Layout, target_name: str) -> Path:
-    """The local HF-cache snapshot of the drafter released in `layout` for `target_name`."""
-    repo_id = layout.released.get(target_name)
-    if repo_id is None:
-        known = ", ".join(sorted(layout.released)) or "none"
-        raise UserError(f"no released {layout.name} drafter is known for target {target_name!r} (known targets: "
-                        f"{known}); pass --init {layout.name}:PATH for a local folder, or train from scratch")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    cache_dir = hf_hub_cache()
-    try:
-        return Path(snapshot_download(repo_id, cache_dir=cache_dir, local_files_only=True))
-    except (LocalEntryNotFoundError, OSError, ValueError):
-        raise UserError(f"the released {layout.name} drafter for {target_name!r} is {repo_id}, which is not in the "
-                        f"local HF cache ({cache_dir}); download it with `huggingface-cli download {repo_id}` "
-                        f"(on a machine with hub access) or pass --init {layout.name}:PATH") from None
-
-
-def hf_hub_cache() -> str:
-    """The HF hub cache folder, read from the environment now (not when huggingface_hub was imported)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return os.environ["HF_HUB_CACHE"]
-    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
-    return os.path.join(os.path.expanduser(home), "hub")
-
-
-# ---- export ----
-
-def export_drafter(
-    drafter_dir: str | Path, fmt: str, out_dir: str | Path, target_spec: str | None = None, *,
-    target: Target | None = None, force: bool = False,
-) -> Path:
-    """Write our drafter folder `drafter_dir` to `out_dir` in layout `fmt`, atomically; returns `out_dir`.
-
-    The drafter is loaded for `target` (or the target `target_spec` names, default: the one its
-    config records), since some architectures borrow the target's embeddings.
-    """
-    drafter_dir, out_dir = Path(drafter_dir), Path(out_dir)
-    chosen = layout(fmt)
-    config = read_config(drafter_dir)
-    drafter_type = config.get("mmvsd_drafter_type")
-    if not drafter_type:
-        raise UserError(f"{drafter_dir} is not an mmvsd drafter folder (no 'mmvsd_drafter_type' in its config.json)")
-    if chosen.drafter_type and chosen.drafter_type != drafter_type:
-        note = f" ({chosen.serving_note})" if chosen.serving_note else ""
-        raise UserError(f"--format {fmt} holds {chosen.drafter_type!r} drafters{note}; {drafter_dir} is a "
-                        f"{drafter_type!r} drafter, which it cannot represent (its own layouts: "
-                        f"{', '.join(layouts_for(drafter_type))})")
-    check_export_target(drafter_dir, out_dir, force)
-    if target is None:
-        target = _export_target(config, target_spec, drafter_dir)
-    from mmvsd.drafter import load_drafter
-
-    drafter = load_drafter(drafter_dir, target)
-    with atomic_dir(out_dir) as tmp:
-        chosen.export_for(drafter, tmp, target)
-    return out_dir
-
-
 def layouts_for(drafter_type: str) -> list[str]:
     """Names of the registered layouts that can hold a drafter of `drafter_type` (hf holds every one)."""
     return [name for name in layout_names() if LAYOUTS[name].drafter_type in ("", drafter_type)]
-
-
-def check_export_target(drafter_dir: Path, out_dir: Path, force: bool) -> None:
-    """Refuse to replace the source folder, a file, or (without `force`) a non-empty folder."""
-    if out_dir.exists() and out_dir.resolve() == drafter_dir.resolve():
-        raise UserError(f"output {out_dir} is the drafter folder itself; choose another output folder")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise UserError(f"output {out_dir} exists and is not a folder")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
-        raise UserError(f"output folder {out_dir} is not empty; pass --force to replace it")
-
-
-def _export_target(config: dict, target_spec: str | None, drafter_dir: Path) -> Target:
-    spec = target_spec or config.get("target_name")
-    if not spec:
-        raise UserError(f"{drafter_dir} does not record its target; pass --target")
-    from mmvsd.targets import load_target
-
-    return load_target(spec)
-
-
-def add_export_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add `mmvsd export --drafter DIR --format NAME [--target T] [--force] OUT` to a CLI."""
-    p = sub.add_parser("export", help="write a trained drafter in another checkpoint layout (e.g. for vLLM/SGLang)",
-                       description="Write a drafter folder of ours in a registered checkpoint layout, e.g. "
-                       "eagle3 (what vLLM and SGLang load), speculators (the `speculators` package's format) or hf "
-                       "(ours). vLLM and SGLang serve only EAGLE-3-style drafters.")
-    p.add_argument("--drafter", required=True, help="drafter folder written by `mmvsd train`")
-    p.add_argument("--format", required=True, help="checkpoint layout to write (an unknown name lists them)")
-    p.add_argument("--target", help="target the drafter was made for (default: the one its config records)")
-    p.add_argument("--force", action="store_true", help="replace a non-empty output folder")
-    p.add_argument("output", help="output folder (written atomically)")
-    return p
-
-
-def run_export(args: argparse.Namespace) -> None:
-    """`mmvsd export`: convert a drafter folder and say where it went."""
-    out_dir = export_drafter(args.drafter, args.format, args.output, target_spec=args.target, force=args.force)
-    print(f"{args.format} drafter written to {out_dir}")

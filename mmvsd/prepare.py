@@ -19,7 +19,7 @@ def prepare_feature_cache(config: TrainConfig, dtype: str = "auto", assume_yes: 
 
     out_dir = Path(config.feature_cache)
     target = load_target(config.target, dtype=TARGET_DTYPES[config.target_dtype])
-    split = config_examples(config, target, out_dir.parent / f"{out_dir.name}.regenerated-{config.regenerate}.jsonl")
+    split = config_examples(config, target)
     if any(example.media for example in split.train):
         raise UserError("offline feature caches hold text examples only; train on data with images with "
                         "features=online")

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from mmvsd.errors import UserError
-from mmvsd.files import file_sha256
+from mmvsd.files import atomic_dir, atomic_file, file_sha256
 
 SHIPPED_ROOT = Path(__file__).parent / "shipped_drafters"
 MANIFEST = "manifest.json"
@@ -179,8 +179,6 @@ def write_manifest(folder: str | Path, **info) -> dict:
     manifest = {"name": folder.name, "default": False, **info,
                 "drafter_type": config.get("mmvsd_drafter_type", ""),
                 "files": {p.name: {"sha256": file_sha256(p), "bytes": p.stat().st_size} for p in files}}
-    from mmvsd.files import atomic_file
-
     with atomic_file(folder / MANIFEST) as handle:
         json.dump(manifest, handle, indent=2, sort_keys=False)
         handle.write("\n")
@@ -202,8 +200,6 @@ def ship_drafter(source: str | Path, target: str, name: str, *, dtype: str = "bf
     """Copy a trained drafter folder into the shipped tree as `target`/`name` with its floating
     tensors in `dtype` (fp16|bf16), then write its manifest (`info`: see `write_manifest`)."""
     from safetensors.torch import load_file, save_file
-
-    from mmvsd.files import atomic_dir
 
     if dtype not in HALF_DTYPES:
         raise UserError(f"dtype must be one of {', '.join(HALF_DTYPES)}, got {dtype!r}")

@@ -17,6 +17,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 from mmvsd.errors import UserError
 from mmvsd.kv import RaggedCache
 
+PLAIN_PREFIXES = {"system": "System: ", "user": "User: ", "assistant": "Assistant: "}  # chat without a template
 GQA_SDPA = "mmvsd_sdpa"  # transformers' sdpa, with grouped-query attention read in place on the CPU
 
 
@@ -146,14 +147,22 @@ class Target:
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a user prompt, through the chat template when the tokenizer has one."""
+        return self.encode_chat([{"role": "user", "content": text}])
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids asking for the next assistant turn after `messages` ({"role", "content"} dicts): the
+        tokenizer's chat template with the generation prompt; without one, a lone user message is its plain
+        text and a conversation the plain `User: ...\nAssistant: ` format (`PLAIN_PREFIXES`, as training
+        renders it)."""
         if self.tokenizer is None:
             raise UserError(f"target {self.name!r} has no tokenizer; pass token ids instead of text")
         if getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        return self.tokenizer(text)["input_ids"]
+        if len(messages) == 1 and messages[0]["role"] == "user":
+            return list(self.tokenizer(messages[0]["content"])["input_ids"])
+        text = "".join(f"{PLAIN_PREFIXES[m['role']]}{m['content']}\n" for m in messages)
+        return list(self.tokenizer(text + PLAIN_PREFIXES["assistant"])["input_ids"])
 
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:

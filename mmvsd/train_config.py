@@ -39,6 +39,8 @@ class TrainConfig:
     validation_fraction: float = 0.01
     regenerate: str = "none"  # none | greedy | sample: answer with the target first (on-policy)
     regenerate_max_new_tokens: int = 512
+    regenerate_batch_size: int = 64  # answers generated together (one batched forward per token)
+    regenerate_cache: str = ""  # "": the shared cache of these settings under the mmvsd cache (reused across runs)
     features: str = "online"  # online: target forward in the step | offline: read `feature_cache`
     feature_cache: str = ""
     draft_vocab_size: int = 32000
@@ -88,7 +90,7 @@ class TrainConfig:
         if self.features == "offline" and not self.feature_cache:
             raise UserError("features=offline needs feature_cache=DIR (written by `mmvsd prepare`)")
         positive = ("batch_size", "grad_accum", "max_length", "save_every", "log_every", "draft_vocab_size",
-                    "eval_max_new_tokens")
+                    "eval_max_new_tokens", "regenerate_batch_size")
         for key in positive:
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")

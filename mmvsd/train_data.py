@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from mmvsd.data.conversations import load_conversations
+from mmvsd.data.regenerate import regenerate_conversations
 from mmvsd.data.render import RenderedExample, render_conversation, split_conversations
 from mmvsd.errors import UserError
 from mmvsd.target import Target
@@ -63,21 +64,19 @@ def data_specs(data: str) -> list[str]:
 def load_examples(
     target: Target, data: str, *, num_conversations: int, max_length: int, validation_fraction: float, seed: int,
     regenerate: str = "none", regenerate_max_new_tokens: int = 512, regenerate_cache: Path | None = None,
-    progress: bool = True, adapter: str = "",
+    regenerate_batch_size: int = 64, progress: bool = True, adapter: str = "",
 ) -> ExampleSplit:
     """Read `data`, split it deterministically by `seed`, regenerate answers if asked, render."""
     conversations = [conv for spec in data_specs(data) for conv in load_conversations(spec, limit=num_conversations or None)]
     train_convs, validation_convs = split_conversations(conversations, validation_fraction, seed)
     if regenerate != "none":
-        from mmvsd.data.regenerate import regenerate_conversations
-
         if any(conv.image is not None for conv in train_convs):
             raise UserError("regenerate answers text conversations only; this dataset has images "
                             "(use regenerate=none)")
-        cache = regenerate_cache or Path(f"regenerated-{regenerate}.jsonl")
-        train_convs = regenerate_conversations(
-            target, train_convs, cache_path=cache, temperature=0.0 if regenerate == "greedy" else 1.0,
-            max_new_tokens=regenerate_max_new_tokens, seed=seed, progress=progress,
+        train_convs = regenerate_conversations(  # answers past max_length would be cut off: not generated
+            target, train_convs, cache_path=regenerate_cache, temperature=0.0 if regenerate == "greedy" else 1.0,
+            max_new_tokens=regenerate_max_new_tokens, max_prompt_tokens=max_length, batch_size=regenerate_batch_size,
+            seed=seed, progress=progress,
         )
     train, dropped = render_all(target, train_convs, max_length, adapter)
     validation, dropped_validation = render_all(target, validation_convs, max_length, adapter)

@@ -23,15 +23,19 @@ from pathlib import Path
 
 import torch
 
+from mmvsd.data.conversations import parse_dataset_spec
 from mmvsd.drafter import Drafter, drafter_class
+from mmvsd.drafter_init import InitSource, resolve_init
 from mmvsd.errors import UserError
+from mmvsd.evaluate import TauMonitor
+from mmvsd.feature_cache import FeatureCache, check_cache_matches
 from mmvsd.features import FeatureBatch, capture_features, collate
-from mmvsd.layouts import InitSource, resolve_init
 from mmvsd.objectives import make_objective
 from mmvsd.target import Target
 from mmvsd.train_config import TrainConfig
 from mmvsd.train_data import ExampleSplit, data_specs, draft_vocab_from_counts, load_examples, token_frequencies
 from mmvsd.train_media import embed_batch, media_adapter
+from mmvsd.tree import TreeShape
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +53,7 @@ class TrainState:
 
     step: int = 0  # optimizer steps done
     num_bad_steps: int = 0  # skipped because the loss was not finite
+    tokens_seen: int = 0  # sequence tokens (padding excluded) in the micro-batches of the steps done
 
 
 def lr_lambda(config: TrainConfig, total_steps: int):
@@ -102,20 +107,30 @@ TARGET_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def build_drafter(config: TrainConfig, target: Target, train_examples: list) -> Drafter:
-    """A fresh drafter with a frequency-based draft vocabulary, or the `--init` one (see `resolve_init`)."""
+    """A fresh drafter with a frequency-based draft vocabulary, or the `--init` one (see `resolve_init`),
+    its trainable weights in fp32 (the master weights; `precision=bf16` computes in bf16 under autocast)."""
     source = check_init(config)
     if source is not None:
         drafter = source.load(target)
         if drafter.drafter_type != config.drafter:
             raise UserError(f"--init {config.init} holds a {drafter.drafter_type!r} drafter, not {config.drafter!r}")
-        return drafter.train()
+        return fp32_master_weights(drafter).train()
     drafter = drafter_class(config.drafter).from_target(target, draft_vocab_size=config.draft_vocab_size,
                                                         seed=config.seed)
     counts = token_frequencies(train_examples, target.vocab_size)
     drafter.set_draft_vocab(draft_vocab_from_counts(counts, drafter.draft_vocab_size))
     if config.init_from_target:
         drafter.init_from_target(target)
-    return drafter.train()
+    return fp32_master_weights(drafter).train()
+
+
+def fp32_master_weights(drafter: Drafter) -> Drafter:
+    """Trainable parameters in fp32: a drafter loaded for a bf16 target comes in bf16, and AdamW updates
+    of bf16 weights lose most of their precision (frozen parameters, e.g. shared target embeddings, stay)."""
+    for param in drafter.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()
+    return drafter
 
 
 def check_init(config: TrainConfig) -> InitSource | None:
@@ -292,7 +307,7 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
         if time.monotonic() > deadline:  # a wall-clock budget (equal-time comparisons): stop as if at the end
             steps = state.step
         if monitor is not None and (state.step % config.eval_every == 0 or state.step == steps):
-            _log_tau(monitor, accelerator.unwrap_model(model), accelerator, out_dir, state.step)
+            _log_tau(monitor, accelerator.unwrap_model(model), accelerator, out_dir, state)
         bar.set_postfix(_postfix(metrics, monitor), refresh=False)
         if state.step % config.log_every == 0 or state.step == steps:
             accelerator.log({f"train/{k}": v for k, v in metrics.items()}, step=state.step)
@@ -307,8 +322,6 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
 
 def check_dataset_exists(data: str) -> None:
     """Fail before loading a target when a dataset file is not there."""
-    from mmvsd.data.conversations import parse_dataset_spec
-
     for spec in data_specs(data):
         _, path = parse_dataset_spec(spec)
         if path is not None and not path.exists():
@@ -327,19 +340,16 @@ def _tau_monitor(config: TrainConfig, target: Target, accelerator):
     """The validation-tau evaluator (main process only; None when eval_every is 0)."""
     if config.eval_every <= 0 or not accelerator.is_main_process:
         return None
-    from mmvsd.evaluate import TauMonitor
-    from mmvsd.tree import TreeShape
-
     return TauMonitor(target, config.eval_prompts, config.eval_limit, config.eval_max_new_tokens,
                       TreeShape.parse(config.eval_tree))
 
 
-def _log_tau(monitor, drafter: Drafter, accelerator, out_dir: Path, step: int) -> None:
+def _log_tau(monitor, drafter: Drafter, accelerator, out_dir: Path, state: TrainState) -> None:
     """Evaluate validation tau now: TensorBoard val/*, a line in OUT/val_tau.jsonl, the progress bar."""
     report = monitor(drafter)
     by_depth = {f"val/accepted_ge_{d}": rate for d, rate in enumerate(report.acceptance_by_depth, start=1)}
-    accelerator.log({"val/tau": report.tau, "val/mean_tau": report.mean_tau, **by_depth}, step=step)
-    line = {"step": step, "tau": report.tau, "mean_tau": report.mean_tau,
+    accelerator.log({"val/tau": report.tau, "val/mean_tau": report.mean_tau, **by_depth}, step=state.step)
+    line = {"step": state.step, "tokens_seen": state.tokens_seen, "tau": report.tau, "mean_tau": report.mean_tau,
             "acceptance_by_depth": report.acceptance_by_depth, "num_prompts": len(report.prompts),
             "num_ties": len(report.ties), "seconds": round(report.seconds, 2)}
     with open(out_dir / VAL_LOG, "a", encoding="utf-8") as handle:
@@ -359,6 +369,7 @@ def _optimizer_step(config, accelerator, model, optimizer, scheduler, objective,
         if not bool(finite.item()):
             return _skip_step(config, optimizer, scheduler, state)
         accelerator.backward(loss / config.grad_accum)
+        state.tokens_seen += int(batch.tokens.lengths.sum())
         for key, value in {"loss": float(loss.detach()), **metrics}.items():
             totals[key] = totals.get(key, 0.0) + value / config.grad_accum
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
@@ -369,6 +380,7 @@ def _optimizer_step(config, accelerator, model, optimizer, scheduler, objective,
         totals["grad_norm"] = float(grad_norm)
     totals["lr"] = scheduler.get_last_lr()[0]
     totals["bad_steps"] = float(state.num_bad_steps)
+    totals["tokens_seen"] = float(state.tokens_seen)
     return totals
 
 
@@ -396,22 +408,21 @@ def _skip_step(config: TrainConfig, optimizer, scheduler, state: TrainState) -> 
 def _training_source(config: TrainConfig, target: Target, out_dir: Path):
     """Where batches come from: rendered examples with online capture, or the offline cache."""
     if config.features == "offline":
-        from mmvsd.feature_cache import FeatureCache, check_cache_matches
-
         cache = FeatureCache(config.feature_cache)
         check_cache_matches(cache, target, data_settings(config))
         return OfflineSource(cache, target.dtype)
-    split = config_examples(config, target, out_dir / f"regenerated-{config.regenerate}.jsonl")
+    split = config_examples(config, target)
     return OnlineSource(target, split.train, config.adapter)
 
 
-def config_examples(config: TrainConfig, target: Target, regenerate_cache: Path) -> ExampleSplit:
+def config_examples(config: TrainConfig, target: Target) -> ExampleSplit:
     """The examples a run with `config` trains on (the same for `mmvsd train` and `mmvsd prepare`)."""
     return load_examples(
         target, config.data, num_conversations=config.num_conversations, max_length=config.max_length,
         validation_fraction=config.validation_fraction, seed=config.seed, regenerate=config.regenerate,
-        regenerate_max_new_tokens=config.regenerate_max_new_tokens, regenerate_cache=regenerate_cache,
-        progress=config.progress, adapter=config.adapter,
+        regenerate_max_new_tokens=config.regenerate_max_new_tokens,
+        regenerate_cache=Path(config.regenerate_cache) if config.regenerate_cache else None,
+        regenerate_batch_size=config.regenerate_batch_size, progress=config.progress, adapter=config.adapter,
     )
 
 

@@ -100,19 +100,6 @@ class DraftTree:
         is_parent.scatter_(1, self.parents + 1, True)  # index 0 collects the root's "-1 parent"
         return ~is_parent[:, 1:]
 
-    def paths(self) -> Tensor:
-        """[B, num_leaves, D+1] root-to-leaf node indices, -1 padded (rows of absent leaves all -1)."""
-        batch = self.parents.shape[0]
-        leaves = self.leaves()
-        num_leaves = int(leaves.sum(1).max().item())
-        out = torch.full((batch, num_leaves, self.max_depth + 1), -1, dtype=torch.long)
-        ancestors = self.ancestor_mask()
-        for b in range(batch):
-            for slot, leaf in enumerate(leaves[b].nonzero().flatten().tolist()):
-                nodes = ancestors[b, leaf].nonzero().flatten()
-                out[b, slot, self.depths[b, nodes]] = nodes
-        return out
-
 
 class TreeExpander(Protocol):
     """What the tree builder needs from a drafter's decoding session."""

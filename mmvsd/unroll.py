@@ -13,7 +13,6 @@ import torch
 from torch import Tensor
 
 from mmvsd.drafter import Drafter, PairMedia
-from mmvsd.kv import RaggedCache
 
 
 def shifted(token_ids: Tensor, shift: int, fill: int = 0) -> Tensor:
@@ -35,7 +34,7 @@ def unroll_draft_steps(drafter: Drafter, features: Tensor, next_ids: Tensor, num
     batch, length = next_ids.shape
     device = next_ids.device
     dtype = next(drafter.parameters()).dtype
-    cache = RaggedCache(batch, device)
+    cache = drafter.new_cache(batch, device)
     anchors = torch.arange(length, device=device)
     causal = (anchors[None, :] <= anchors[:, None]).expand(batch, length, length)
     diagonal = torch.eye(length, dtype=torch.bool, device=device).expand(batch, length, length)

@@ -10,14 +10,15 @@ import pytest
 
 from conftest import save_tiny_target
 from mmvsd.baselines import hf_generate
-from mmvsd.decode import SequenceResult
+from mmvsd.decode import DecodeConfig, SequenceResult, vanilla_generate
 from mmvsd.errors import UserError
 from mmvsd.eval import mllm_suite
-from mmvsd.eval.bench import Method, Record, build_methods, drafter_label, kept_lengths, run_batch
-from mmvsd.eval.bench_config import BenchConfig
+from mmvsd.eval.bench import Method, Record, TreeGenerate, build_methods, drafter_label, kept_lengths, run_batch
+from mmvsd.eval.bench_config import BenchConfig, tree_shape
 from mmvsd.eval.report import aggregate, markdown_table
 from mmvsd.eval.suites import load_items
 from mmvsd.targets import load_target
+from mmvsd.tree import TreeShape
 
 
 @pytest.fixture(scope="module")
@@ -163,3 +164,32 @@ def test_mixed_synthetic_and_real_average_is_labelled():
     assert average.mixes_synthetic
     table = markdown_table(rows, ["vanilla"])
     assert "gsm8k (synthetic)" in table and "average (mixes synthetic and real)" in table
+
+
+def test_one_tree_row_per_drafter_and_shape(tiny):
+    folder, target = tiny
+    config = BenchConfig(target=str(folder), methods=["vanilla", "tree"], trees=["auto", "paper", "12/3/0"])
+    methods = build_methods(config, target)
+    assert [m.name for m in methods] == ["vanilla", "tree:random@auto", "tree:random@paper", "tree:random@12/3/0"]
+    assert tree_shape("auto", False) == "auto"
+    assert tree_shape("paper", False) == TreeShape(60, 7, 10) and tree_shape("paper", True) == TreeShape(60, 5, 8)
+    assert tree_shape("12/3/0", True) == TreeShape(12, 3, 8)  # a 0 part takes the paper's value
+    only = build_methods(BenchConfig(target=str(folder), methods=["vanilla", "tree"]), target)
+    assert [m.name for m in only] == ["vanilla", "tree:random"] and only[1].tree == "auto"  # the default
+
+
+@pytest.mark.parametrize("trees", [["60/7"], ["big"], ["auto", "auto"], ["-1/2/3"], []])
+def test_malformed_tree_lists_are_refused(trees):
+    with pytest.raises(UserError, match="--tree"):
+        BenchConfig(trees=trees).validate()
+
+
+def test_auto_rows_learn_acceptance_across_prompts_and_stay_lossless(tiny, fitted_drafter):
+    _, target = tiny
+    generate = TreeGenerate(target, fitted_drafter)
+    prompts = [[1, 5, 9, 4], [2, 7, 7, 3, 8]]
+    config = DecodeConfig(12, tree="auto")
+    for prompt in prompts:
+        [result] = generate([prompt], config)
+        assert result.output_ids == vanilla_generate(target, [prompt], config)[0].output_ids
+    assert list(generate.stats) == [0.0] and generate.stats[0.0].rank_tried.sum() > 0  # learnt, kept across calls

@@ -13,12 +13,14 @@ from test_layouts import fake_hf_cache, write_checkpoint
 from conftest import save_tiny_llava
 from mmvsd.cli import main as cli_main
 from mmvsd.drafter import DraftInputs, PairMedia
+from mmvsd.drafter_init import resolve_init
 from mmvsd.drafters.eagle1 import Eagle1Drafter
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.drafters.msd import MSDDrafter
 from mmvsd.drafters.vispec import ViSpecDrafter
 from mmvsd.errors import UserError
-from mmvsd.layouts import export_drafter, layout, resolve_init
+from mmvsd.export import export_drafter
+from mmvsd.layouts import layout
 from mmvsd.target import Target
 from mmvsd.targets import load_target
 from mmvsd.train_config import TrainConfig

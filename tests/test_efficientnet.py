@@ -22,7 +22,6 @@ from mmvsd.lab import efficientnet
 from mmvsd.lab.efficientnet import (
     EfficientNetTokens,
     attach_efficientnet,
-    feature_map_to_tokens,
     load_efficientnet_lite0,
     load_lukemelas_state_dict,
     lukemelas_to_timm,

@@ -79,7 +79,7 @@ def test_evaluator_counts_nothing_after_eos(eos_target, fitted_drafter):
 
 def test_evaluator_equals_generate_with_ngram_and_hybrid_drafters(tiny_target, fitted_drafter):
     """n-gram statistics are shared by a batch's rows: equal to generate one prompt at a time (its default)."""
-    from mmvsd.drafter import drafter_from_spec
+    from mmvsd.drafter_spec import drafter_from_spec
     from mmvsd.hybrid import with_ngram
 
     assert_same_as_generate(tiny_target, with_ngram(fitted_drafter), TreeShape(20, 5, 4), 1, 1)
@@ -239,6 +239,7 @@ def test_trainer_logs_validation_tau(tiny_dir, tmp_path, capsys, monkeypatch):
     assert code == 0, capsys.readouterr().err
     lines = [json.loads(line) for line in (out / "val_tau.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [2, 3]  # every 2 steps and after the last
+    assert 0 < lines[0]["tokens_seen"] < lines[1]["tokens_seen"]  # the learning curve's x axis
     assert all(line["tau"] >= 1.0 and line["num_prompts"] == 2 and len(line["acceptance_by_depth"]) == 3
                for line in lines)
     code = main(["train", "--target", str(tiny_dir), "--data", str(data), "--output", str(tmp_path / "o2"), *TINY,

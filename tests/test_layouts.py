@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 from pathlib import Path
 
@@ -13,9 +14,11 @@ from safetensors.torch import load_file, save_file
 from conftest import PROMPT_POOL, make_tiny_llama, save_tiny_target
 from mmvsd.decode import DecodeConfig, speculative_generate
 from mmvsd.drafter import load_drafter
+from mmvsd.drafter_init import resolve_init
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.errors import UserError
-from mmvsd.layouts import LAYOUTS, add_export_parser, export_drafter, layout, resolve_init, run_export
+from mmvsd.export import add_export_parser, export_drafter, run_export
+from mmvsd.layouts import LAYOUTS, layout
 from mmvsd.target import Target
 from mmvsd.train_config import TrainConfig
 from mmvsd.trainer import build_drafter, check_init
@@ -401,3 +404,14 @@ def test_speculators_export_refuses_repeated_feature_layers(tiny_target, tmp_pat
         pytest.skip("the tiny target's default feature layers are distinct")
     with pytest.raises(UserError, match="speculators refuses"):
         export_drafter(tmp_path / "ours", "speculators", tmp_path / "spec", target=tiny_target)
+
+
+def test_train_init_for_a_bf16_target_trains_fp32_master_weights(tiny_target, tmp_path):
+    """A drafter loaded for a bf16 target comes in bf16; its trainable weights train in fp32 (bf16 AdamW
+    updates would lose their precision), values unchanged."""
+    release = write_checkpoint(tmp_path / "release", released_config(), released_tensors())
+    bf16_target = Target(copy.deepcopy(tiny_target.model).to(torch.bfloat16), None, tiny_target.name)
+    config = TrainConfig(target=tiny_target.name, init=f"eagle3:{release}", output=str(tmp_path / "out"))
+    drafter = build_drafter(config, bf16_target, [])
+    assert {p.dtype for p in drafter.parameters() if p.requires_grad} == {torch.float32}
+    assert torch.equal(drafter.fc.weight, released_tensors()["fc.weight"].to(torch.bfloat16).float())

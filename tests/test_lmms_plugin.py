@@ -41,10 +41,10 @@ def fitted_drafter_folder(llava_folder: Path, tmp_path_factory: pytest.TempPathF
     return folder
 
 
-def build_model(folder: Path, model_args: str) -> MmvsdLmms:
+def build_model(folder: Path, model_args: str, tree: str = SMALL_TREE) -> MmvsdLmms:
     """The model as lmms-eval builds it (model_args string plus its batch_size/device config), over two docs:
     doc 0 shows an image, doc 1 is text only."""
-    model = MmvsdLmms.create_from_arg_string(f"target={folder},{SMALL_TREE},{model_args}", {"batch_size": 1})
+    model = MmvsdLmms.create_from_arg_string(f"target={folder},{tree},{model_args}", {"batch_size": 1})
     image = Image.fromarray((np.random.default_rng(0).random((40, 60, 3)) * 255).astype("uint8"))
     model.task_dict = {TASK: {SPLIT: [{"image": image}, {"image": None}]}}
     return model
@@ -121,6 +121,25 @@ def test_speculative_answers_equal_plain_decoding(
     assert {r["tau"] for r in plain.records} == {1.0}
     if drafter == "fitted":  # accepted drafts: the answer went through the verifier's accept path
         assert speculative.records[1]["tau"] > 1
+
+
+def test_auto_tree_by_default_is_lossless_and_learns_across_requests(
+    llava_folder: Path, fitted_drafter_folder: Path, plain: MmvsdLmms
+) -> None:
+    model = build_model(llava_folder, f"drafter={fitted_drafter_folder}", tree="seed=0")  # no tree argument
+    assert model.tree == "auto"
+    requests = [request(0, IMAGE_CONTEXT), request(1, TEXT_CONTEXT)]
+    assert texts(model, requests) == texts(plain, requests)
+    assert model.acceptance.rank_tried.sum() > 0  # what the plan learnt is kept for the next request
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ("tree=auto,tree_budget=12", "two ways to say one thing"),
+    ("tree=60/7", "expected auto, paper or BUDGET/DEPTH/TOPK"),
+])
+def test_bad_tree_model_args_fail_clearly(llava_folder: Path, args: str, message: str) -> None:
+    with pytest.raises(UserError, match=message):
+        MmvsdLmms.create_from_arg_string(f"target={llava_folder},drafter=none,{args}")
 
 
 def test_image_is_read_and_placeholder_replaced(plain: MmvsdLmms) -> None:

@@ -19,7 +19,7 @@ from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate
 from mmvsd.drafter import DraftInputs, PairMedia, drafter_class, load_drafter
 from mmvsd.drafters.vispec import ViSpecConfig, ViSpecDrafter
 from mmvsd.errors import UserError
-from mmvsd.kv import RaggedCache, sequence_block
+from mmvsd.kv import sequence_block
 from mmvsd.targets import load_target
 from mmvsd.train_config import TrainConfig
 from mmvsd.trainer import curriculum_indices, train
@@ -42,7 +42,7 @@ def make_vispec(target, num_q: int) -> ViSpecDrafter:
 def step0(drafter, features, next_ids, media, cache=None):
     """The drafter's first step over whole sequences, as training and the E-step run it."""
     batch, width = next_ids.shape
-    cache = cache or RaggedCache(batch)
+    cache = cache or drafter.new_cache(batch, "cpu")
     depths, causal = sequence_block(batch, width, "cpu")
     return drafter(features, next_ids, cache.positions(depths), cache.attention_mask(causal, torch.float32), cache,
                    from_target=True, media=media), cache

@@ -56,9 +56,9 @@ def counting_generate(monkeypatch) -> list[int]:
     """Wrap vanilla_generate in the module under test; returns the list of batch sizes it was called with."""
     calls: list[int] = []
 
-    def wrapper(target, prompts, config):
+    def wrapper(target, prompts, config, **kwargs):
         calls.append(len(prompts))
-        return vanilla_generate(target, prompts, config)
+        return vanilla_generate(target, prompts, config, **kwargs)
 
     monkeypatch.setattr(regenerate_module, "vanilla_generate", wrapper)
     return calls
@@ -175,11 +175,55 @@ def test_leading_assistant_turn_is_dropped_and_trailing_user_turn_kept(chat_targ
     assert out.turns[:2] == reference.turns[:2] and out.turns[2].text == "w60"
 
 
-def test_chat_prompt_ids_handles_list_and_dict_returns(chat_target, monkeypatch):
+def test_encode_chat_handles_list_and_dict_returns(chat_target, monkeypatch):
     turns = CONVS[0].turns[:1]
+    messages = [{"role": t.role, "content": t.text} for t in turns]
     expected = template_ids(chat_target, turns)
     monkeypatch.setattr(chat_target.tokenizer, "apply_chat_template",
                         lambda *a, **k: {"input_ids": list(expected)})
-    assert regenerate_module.chat_prompt_ids(chat_target, turns) == expected
+    assert chat_target.encode_chat(messages) == expected
     monkeypatch.setattr(chat_target.tokenizer, "apply_chat_template", lambda *a, **k: list(expected))
-    assert regenerate_module.chat_prompt_ids(chat_target, turns) == expected
+    assert chat_target.encode_chat(messages) == expected
+
+
+def test_training_length_stops_conversations_and_caps_answers(chat_target, tmp_path):
+    """max_prompt_tokens (the training max_length): no answer is asked for a prompt that long, and an answer
+    is generated only up to that length plus the margin."""
+    long_conv = CONVS[2]
+    first_prompt = len(template_ids(chat_target, long_conv.turns[:1]))
+    limit = first_prompt + 2  # room for a 2-token answer (+ margin), never for the second user turn
+    [out] = regenerate_conversations(chat_target, [long_conv], cache_path=tmp_path / "c.jsonl", max_new_tokens=40,
+                                     max_prompt_tokens=limit, progress=False)
+    assert [t.role for t in out.turns] == ["user", "assistant"]  # stopped: the 2nd prompt would reach the limit
+    budget = regenerate_module.answer_budget(first_prompt, 40, limit)
+    assert budget == 2 + regenerate_module.BUDGET_MARGIN
+    full = vanilla_generate(chat_target, [template_ids(chat_target, long_conv.turns[:1])],
+                            DecodeConfig(max_new_tokens=40))[0].output_ids
+    expected = full[:budget]
+    eos = [i for i, t in enumerate(expected) if t in chat_target.eos_token_ids]
+    assert out.turns[1].text == chat_target.decode(expected[: eos[0]] if eos else expected)
+    record = json.loads((tmp_path / "c.jsonl").read_text())
+    assert record["status"] == "too_long" and record["key"]["max_prompt_tokens"] == limit
+
+
+def test_default_cache_is_shared_per_settings(chat_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("MMVSD_CACHE", str(tmp_path / "cache"))
+    calls = counting_generate(monkeypatch)
+    first = regenerate_conversations(chat_target, CONVS[:2], max_new_tokens=MAX_NEW, progress=False)
+    files = list((tmp_path / "cache" / "regenerated").glob("tiny-chat-*.jsonl"))
+    assert len(files) == 1 and len(files[0].read_text().splitlines()) == 2
+    calls.clear()
+    assert regenerate_conversations(chat_target, CONVS[:2], max_new_tokens=MAX_NEW, progress=False) == first
+    assert calls == []  # a second run reuses the answers
+    regenerate_conversations(chat_target, CONVS[:1], max_new_tokens=MAX_NEW + 1, progress=False)
+    assert len(list((tmp_path / "cache" / "regenerated").glob("*.jsonl"))) == 2  # other settings: another file
+
+
+def test_vanilla_row_budgets_cut_each_row_like_its_own_run(chat_target):
+    prompts = [template_ids(chat_target, CONVS[i].turns[:1]) for i in (0, 2)]
+    config = DecodeConfig(max_new_tokens=12)
+    full = [r.output_ids for r in vanilla_generate(chat_target, prompts, config)]
+    cut = vanilla_generate(chat_target, prompts, config, row_max_new_tokens=[3, 12])
+    assert cut[0].output_ids == full[0][:3] and cut[1].output_ids == full[1]
+    with pytest.raises(UserError, match="one budget"):
+        vanilla_generate(chat_target, prompts, config, row_max_new_tokens=[13, 1])

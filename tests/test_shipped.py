@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from conftest import save_tiny_target
 from mmvsd import shipped
 from mmvsd.cli import main
-from mmvsd.drafter import drafter_from_spec
+from mmvsd.drafter_spec import drafter_from_spec
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.errors import UserError
 from mmvsd.targets import BUILTIN_TARGETS, BuiltinTarget

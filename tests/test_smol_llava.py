@@ -17,7 +17,14 @@ from mmvsd.lab import projector_training as training
 from mmvsd.lab import smol_llava
 from mmvsd.lab.efficientnet import NUM_FEATURES, pixel_values_from_image, smol_llava_config
 from mmvsd.lab.lora import add_lora, lora_state, merge_lora
-from mmvsd.lab.projector_questions import ALIGN_WORDS, BACKGROUND_WORD, SIDE_WORDS, patch_side, patch_words, word_vectors
+from mmvsd.lab.projector_questions import (
+    ALIGN_WORDS,
+    BACKGROUND_WORD,
+    SIDE_WORDS,
+    patch_side,
+    patch_words,
+    word_vectors,
+)
 from mmvsd.lab.smol_llava import (
     IMAGE_TOKEN,
     PROJECTOR_MANIFEST,

