@@ -262,23 +262,28 @@ def run_eval_drafter(args: argparse.Namespace) -> None:
     from mmvsd.drafter_spec import drafter_from_spec
     from mmvsd.shipped import implicit_drafter_spec
     from mmvsd.targets import load_target
+    from mmvsd.tree import TreeShape
 
     shape = tree_from_args(args)
-    if shape == "auto":
-        raise UserError("--tree auto: eval-drafter replays a fixed shape (BUDGET/DEPTH/TOPK); measure auto with generate")
     texts = evaluate.load_eval_texts(args.prompt_file, args.limit)
     spec = args.drafter or implicit_drafter_spec(args.target)
     if spec == "none":
         raise UserError("--drafter none drafts nothing: there is no acceptance to measure")
     target = load_target(args.target)
     drafter = drafter_from_spec(spec, target, args.seed, ngram=None if args.ngram is None else args.ngram == "on")
+    if shape == "auto":  # the trees auto plans from this machine's costs; its speed guard's plain steps are not replayed
+        from mmvsd.costs import load_cost_table
+        from mmvsd.shape_policy import AcceptanceStats, AutoShape
+
+        shape = AutoShape(load_cost_table(target, drafter, batch_sizes=(1,)), AcceptanceStats())
     prompts = [target.encode_prompt(text) for text in texts]
     evaluate.check_eval_prompts(target, prompts, args.max_new_tokens, shape)
     start = time.perf_counter()
     make = evaluate.greedy_continuations if args.no_cache else evaluate.cached_greedy_continuations
     continuations = make(target, prompts, args.max_new_tokens, args.batch_size or 8)
     print(f"greedy continuations: {len(prompts)} prompts, {time.perf_counter() - start:.1f} s", flush=True)
-    batch_size = args.batch_size or (8 if isinstance(drafter, Drafter) else 1)
+    learns = not isinstance(drafter, Drafter) or not isinstance(shape, TreeShape)  # statistics shared by a batch
+    batch_size = args.batch_size or (1 if learns else 8)
     report = evaluate.evaluate_acceptance(target, drafter, prompts, continuations, shape, batch_size, progress=True)
     print(evaluate.format_report(report))
     if args.json:

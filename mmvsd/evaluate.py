@@ -34,7 +34,7 @@ from mmvsd.features import TokenBatch, capture_features
 from mmvsd.files import atomic_file, cache_root
 from mmvsd.shipped import target_checksum
 from mmvsd.target import Target
-from mmvsd.tree import DraftTree, TreeShape, build_dynamic_tree
+from mmvsd.tree import DraftTree, ShapePlan, TreeShape, build_dynamic_tree
 from mmvsd.verify import verify_greedy_choices
 
 TIE_EPSILON = 1e-4  # a target choice whose top-2 logits are closer than this may flip between kernels
@@ -71,6 +71,7 @@ class AcceptanceReport:
     accepted_counts: list[int]  # [depth + 1] tree steps that accepted exactly k draft tokens, k = 0..depth
     ties: list[Tie] = field(default_factory=list)
     num_mismatches: int = 0  # continuation tokens that are not the argmax of the one-forward logits
+    nodes_verified: int = 0  # tree nodes (root included) over all rows' steps: the shape a plan chose
     seconds: float = 0.0
     tie_epsilon: float = TIE_EPSILON
 
@@ -98,6 +99,7 @@ class AcceptanceReport:
             "acceptance_by_depth": self.acceptance_by_depth, "accepted_counts": self.accepted_counts,
             "tie_epsilon": self.tie_epsilon, "num_ties": len(self.ties), "ties": [asdict(t) for t in self.ties],
             "num_mismatches": self.num_mismatches, "seconds": self.seconds,
+            "mean_nodes_per_step": self.nodes_verified / max(sum(p.target_forwards for p in self.prompts), 1),
             "prompts": [{**asdict(p), "tau": p.tau} for p in self.prompts],
         }
 
@@ -212,7 +214,7 @@ def _evaluate_chunk(target, drafter, prompts, continuations, shape, tie_epsilon,
         report.num_mismatches += sum(a != b for a, b in zip(chosen, cont))
         for pos in (margin < tie_epsilon).nonzero().flatten().tolist():
             report.ties.append(Tie(first + row, pos, float(margin[pos])))
-    report.prompts += _walk(drafter, replay, shape, report.accepted_counts)
+    report.prompts += _walk(drafter, replay, shape, report)
 
 
 def _capture(target: Target, drafter: Drafter, prompts, continuations) -> tuple[_Replay, Tensor, Tensor]:
@@ -259,7 +261,7 @@ def draft_tree(roots: Tensor, session: DraftSession, shape: TreeShape) -> DraftT
     return build_dynamic_tree(roots, session, shape)
 
 
-def _walk(drafter: Drafter, replay: _Replay, shape: TreeShape, accepted_counts: list[int]) -> list[PromptAcceptance]:
+def _walk(drafter: Drafter, replay: _Replay, shape: TreeShape, report: AcceptanceReport) -> list[PromptAcceptance]:
     """Replay tree decoding along the continuations; rows finish independently (ragged caches)."""
     seq_ids, prompt_lens, cont_lens = replay.seq_ids, replay.prompt_lens, replay.cont_lens
     batch, width = seq_ids.shape
@@ -283,9 +285,10 @@ def _walk(drafter: Drafter, replay: _Replay, shape: TreeShape, accepted_counts: 
         verdict = verify_greedy_choices(tree, _continuation_choices(seq_ids[live], root_pos, tree, prompt_lens[live]
                                                                     + cont_lens[live]))
         shape.observe(tree, verdict)  # shape plans that learn acceptance learn it as in decoding
+        report.nodes_verified += tree.num_nodes * len(live)
         num_accepted = verdict.num_accepted  # [B']
         session.advance(_accepted_pairs(seq_ids[live], replay.features[live], root_pos, num_accepted, width))
-        _record_step(results, live, root_index, num_accepted, cont_lens, accepted_counts)
+        _record_step(results, live, root_index, num_accepted, cont_lens, report.accepted_counts)
         root_index = root_index + num_accepted + 1
 
 
@@ -342,8 +345,8 @@ def load_eval_texts(spec: str, limit: int = 0) -> list[str]:
     return texts
 
 
-def shape_text(shape: TreeShape) -> str:
-    return f"{shape.budget}/{shape.depth}/{shape.topk}" if isinstance(shape, TreeShape) else repr(shape)
+def shape_text(shape: ShapePlan) -> str:
+    return f"{shape.budget}/{shape.depth}/{shape.topk}" if isinstance(shape, TreeShape) else "auto"
 
 
 def format_report(report: AcceptanceReport) -> str:
@@ -354,7 +357,8 @@ def format_report(report: AcceptanceReport) -> str:
         (f"tau {report.tau:.3f} (mean per prompt {report.mean_tau:.3f}, min {min(taus):.2f}, max {max(taus):.2f}) | "
          f"tree {shape_text(report.shape)} | {len(report.prompts)} prompts, "
          f"{sum(p.new_tokens for p in report.prompts)} tokens, {sum(p.target_forwards for p in report.prompts)} "
-         f"target forwards"),
+         f"target forwards, {report.nodes_verified / max(sum(p.target_forwards for p in report.prompts), 1):.1f} "
+         f"nodes per step"),
         f"accepted >= d draft tokens, d = 1..{len(report.acceptance_by_depth)}: {by_depth}",
         f"numerical ties (top-2 logit margin < {report.tie_epsilon:g}) on the greedy path: {len(report.ties)}"
         + (f"; continuation tokens that differ from the one-forward argmax: {report.num_mismatches}"

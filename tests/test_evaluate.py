@@ -245,3 +245,31 @@ def test_trainer_logs_validation_tau(tiny_dir, tmp_path, capsys, monkeypatch):
     code = main(["train", "--target", str(tiny_dir), "--data", str(data), "--output", str(tmp_path / "o2"), *TINY,
                  "max_steps=1", "eval_every=1", "eval_tree=60/7"])
     assert code == 2 and "eval_tree" in capsys.readouterr().err
+
+
+def test_evaluator_replays_the_auto_plan(tiny_target, fitted_drafter):
+    """`--tree auto` in the evaluator: the trees AutoShape plans (from given costs, learning acceptance as it
+    goes), replayed exactly; deterministic, and the shape it chose is reported as nodes per step."""
+    from test_shape_policy import LinearCosts
+
+    from mmvsd.shape_policy import AcceptanceStats, AutoShape
+
+    prompts = random_prompts(3, seed=4)
+    continuations = evaluate.greedy_continuations(tiny_target, prompts, 20)
+    reports = [evaluate.evaluate_acceptance(tiny_target, fitted_drafter, prompts, continuations,
+                                            AutoShape(LinearCosts(), AcceptanceStats()), batch_size=1)
+               for _ in range(2)]
+    assert reports[0].to_dict()["prompts"] == reports[1].to_dict()["prompts"]
+    summary = reports[0].to_dict()
+    assert summary["tree"] == "auto" and reports[0].tau > 1.0
+    assert 1.0 <= summary["mean_nodes_per_step"] <= 64
+
+
+def test_eval_drafter_cli_takes_tree_auto(tiny_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MMVSD_CACHE", str(tmp_path / "cache"))
+    prompts = write_prompts(tmp_path / "p.jsonl", ["w1 w2 w3", "w9 w8"])
+    code, out, err = run_cli(capsys, "eval-drafter", "--target", str(tiny_dir), "--drafter", "random", "--prompt-file",
+                             str(prompts), "--max-new-tokens", "12", "--tree", "auto", "--json", str(tmp_path / "a.json"))
+    assert code == 0, err
+    assert "tree auto" in out and "nodes per step" in out
+    assert json.loads((tmp_path / "a.json").read_text())["tree"] == "auto"
