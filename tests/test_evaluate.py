@@ -254,8 +254,8 @@ def test_evaluator_replays_the_auto_plan(tiny_target, fitted_drafter):
 
     from mmvsd.shape_policy import AcceptanceStats, AutoShape
 
-    prompts = random_prompts(3, seed=4)
-    continuations = evaluate.greedy_continuations(tiny_target, prompts, 20)
+    prompts = PROMPTS[:3]
+    continuations = evaluate.greedy_continuations(tiny_target, prompts, MAX_NEW)
     reports = [evaluate.evaluate_acceptance(tiny_target, fitted_drafter, prompts, continuations,
                                             AutoShape(LinearCosts(), AcceptanceStats()), batch_size=1)
                for _ in range(2)]
