@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from mmvsd.errors import UserError
-from mmvsd.eval.bench_config import METHODS, BenchConfig
+from mmvsd.eval.bench_config import METHODS, BenchConfig, fixed_tree_spec
 
 
 def _list(text: str) -> list[str]:
@@ -62,14 +62,14 @@ def run_bench_command(args: argparse.Namespace) -> None:
     tree = (args.tree_budget, args.tree_depth, args.tree_topk)
     if any(value is not None and value < 1 for value in tree):
         raise UserError("--tree-budget, --tree-depth and --tree-topk must be >= 1")
-    if args.tree is not None and any(value is not None for value in tree):
+    fixed = fixed_tree_spec(*tree)
+    if args.tree is not None and fixed is not None:
         raise UserError("--tree and --tree-budget/--tree-depth/--tree-topk are two ways to say one thing: give one")
-    fixed = any(value is not None for value in tree)
-    trees = ["/".join(str(value or 0) for value in tree)] if fixed else (args.tree or BenchConfig().trees)
+    trees = [fixed] if fixed is not None else (args.tree or BenchConfig().trees)
     config = BenchConfig(suite=args.suite, target=args.target, drafters=args.drafter, methods=args.methods,
                          temperatures=args.temperature, limit=args.limit, batch_size=args.batch_size,
-                         max_new_tokens=args.max_new_tokens, trees=trees, assistant=args.assistant, adapter=args.adapter, seed=args.seed,
-                         out=args.out)
+                         max_new_tokens=args.max_new_tokens, trees=trees, assistant=args.assistant,
+                         adapter=args.adapter, seed=args.seed, out=args.out)
     from mmvsd.eval.bench import run_bench
 
     out = run_bench(config, resume=args.resume, progress=not args.no_progress)

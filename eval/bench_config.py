@@ -51,6 +51,13 @@ class BenchConfig:
         return self.target or ("smol-llava" if is_multimodal(resolve_suite(self.suite)) else "smollm2-135m")
 
 
+def fixed_tree_spec(budget: int | None, depth: int | None, topk: int | None) -> str | None:
+    """The `--tree` entry of a shape given as the older budget / depth / topk parts (unset or 0: the paper's
+    value), or None when no part is given."""
+    parts = (budget, depth, topk)
+    return "/".join(str(value or 0) for value in parts) if any(parts) else None
+
+
 def tree_shape(spec: str, multimodal: bool):
     """The draft tree of a `--tree` entry on a text or an image benchmark: "auto", or a TreeShape whose parts
     left at 0 (all of them for "paper") take the paper's value for the benchmark's kind."""

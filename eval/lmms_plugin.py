@@ -143,8 +143,8 @@ class MmvsdLmms(lmms):
         if dtype not in DTYPES:
             raise UserError(f"unknown dtype {dtype!r}; choose {', '.join(DTYPES)}")
         from mmvsd.drafter_spec import drafter_from_spec
-        from mmvsd.eval.bench_config import tree_shape
-        from mmvsd.shape_policy import AcceptanceStats
+        from mmvsd.eval.bench import TreeGenerate
+        from mmvsd.eval.bench_config import fixed_tree_spec, tree_shape
         from mmvsd.shipped import default_drafter
         from mmvsd.targets import load_target
 
@@ -154,15 +154,15 @@ class MmvsdLmms(lmms):
         self.records_path = Path(records) if records else None
         self.records: list[dict[str, Any]] = []
         self.target = load_target(str(target), dtype=DTYPES[dtype], device=device or "cpu")
-        fixed = (int(tree_budget), int(tree_depth), int(tree_topk))
-        if tree and any(fixed):
+        fixed = fixed_tree_spec(int(tree_budget), int(tree_depth), int(tree_topk))
+        if tree and fixed:
             raise UserError("model_args tree and tree_budget/tree_depth/tree_topk are two ways to say one thing: "
                             "give one")
-        spec = "/".join(map(str, fixed)) if any(fixed) else str(tree or "auto")
-        self.tree = tree_shape(spec, multimodal=self.target.processor is not None)
-        self.acceptance = AcceptanceStats()  # what the auto shape learns, across requests
+        self.tree = tree_shape(fixed or str(tree or "auto"), multimodal=self.target.processor is not None)
         drafter = str(drafter) or ("default" if default_drafter(str(target)) else "none")
         self.drafter = drafter_from_spec(drafter, self.target, self.seed)
+        # speculative decoding that learns the auto shape's acceptance across requests, per temperature
+        self.tree_generate = None if self.drafter is None else TreeGenerate(self.target, self.drafter)
         self.adapter_name = str(adapter)
         self._image_adapter: ModalityAdapter | None = None
         self._warned_keys: set[str] = set()
@@ -209,13 +209,12 @@ class MmvsdLmms(lmms):
 
     def generate_one(self, prompt: Prompt, gen_kwargs: dict[str, Any]) -> SequenceResult:
         """Decode one prompt with the drafter (speculative) or without one (autoregressive)."""
-        from mmvsd.decode import speculative_generate, vanilla_generate
+        from mmvsd.decode import vanilla_generate
 
         config = self.decode_config(gen_kwargs)
         if self.drafter is None:
             return vanilla_generate(self.target, [prompt], config)[0]
-        stats = self.acceptance if config.tree == "auto" else None
-        return speculative_generate(self.target, self.drafter, [prompt], config, stats=stats)[0]
+        return self.tree_generate([prompt], config)[0]
 
     def generate_until(self, requests: list[Instance]) -> list[GenerationResult]:
         """One answer (text and token counts) per request, in request order; appends a record per request

@@ -360,7 +360,7 @@ def cost_key(target: Target, drafter, batch_sizes: tuple[int, ...], context: int
 
 
 def profiles_dir() -> Path:
-
+    """Where cost tables are cached."""
     return cache_root() / "profiles"
 
 

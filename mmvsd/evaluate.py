@@ -64,9 +64,9 @@ class Tie:
 
 @dataclass
 class AcceptanceReport:
-    """Acceptance of a drafter on prompts at one tree shape (T = 0)."""
+    """Acceptance of a drafter on prompts at one tree shape or shape plan (T = 0)."""
 
-    shape: TreeShape
+    shape: ShapePlan
     prompts: list[PromptAcceptance]
     accepted_counts: list[int]  # [depth + 1] tree steps that accepted exactly k draft tokens, k = 0..depth
     ties: list[Tie] = field(default_factory=list)
@@ -86,6 +86,11 @@ class AcceptanceReport:
         return sum(p.tau for p in self.prompts) / max(len(self.prompts), 1)
 
     @property
+    def mean_nodes_per_step(self) -> float:
+        """Tree nodes verified per target forward, root included: the shape a plan chose."""
+        return self.nodes_verified / max(sum(p.target_forwards for p in self.prompts), 1)
+
+    @property
     def acceptance_by_depth(self) -> list[float]:
         """[depth] share of tree steps that accepted at least d draft tokens, d = 1..depth."""
         total = max(sum(self.accepted_counts), 1)
@@ -99,7 +104,7 @@ class AcceptanceReport:
             "acceptance_by_depth": self.acceptance_by_depth, "accepted_counts": self.accepted_counts,
             "tie_epsilon": self.tie_epsilon, "num_ties": len(self.ties), "ties": [asdict(t) for t in self.ties],
             "num_mismatches": self.num_mismatches, "seconds": self.seconds,
-            "mean_nodes_per_step": self.nodes_verified / max(sum(p.target_forwards for p in self.prompts), 1),
+            "mean_nodes_per_step": self.mean_nodes_per_step,
             "prompts": [{**asdict(p), "tau": p.tau} for p in self.prompts],
         }
 
@@ -154,7 +159,7 @@ def cached_greedy_continuations(
 # ----------------------------------------------------------------------------- evaluation
 
 
-def check_eval_prompts(target: Target, prompts: list[PromptLike], max_new_tokens: int, shape: TreeShape) -> None:
+def check_eval_prompts(target: Target, prompts: list[PromptLike], max_new_tokens: int, shape: ShapePlan) -> None:
     """The checks `mmvsd generate` makes: prompts exist and fit the context with the draft tree."""
     if not prompts:
         raise UserError("no prompts to evaluate")
@@ -165,7 +170,7 @@ def check_eval_prompts(target: Target, prompts: list[PromptLike], max_new_tokens
 @torch.no_grad()
 def evaluate_acceptance(
     target: Target, drafter: Drafter, prompts: list[PromptLike], continuations: list[list[int]],
-    shape: TreeShape, batch_size: int = 8, tie_epsilon: float = TIE_EPSILON, progress: bool = False,
+    shape: ShapePlan, batch_size: int = 8, tie_epsilon: float = TIE_EPSILON, progress: bool = False,
 ) -> AcceptanceReport:
     """Replay T = 0 tree decoding of `prompts` along their greedy `continuations`; tau and acceptance.
 
@@ -256,12 +261,12 @@ def _prefill_media(target: Target, prompts, seq_ids: Tensor, prompt_lens: Tensor
     return PairMedia.from_tokens(embeds, span_ids(prompts, width, embeds.device))
 
 
-def draft_tree(roots: Tensor, session: DraftSession, shape: TreeShape) -> DraftTree:
+def draft_tree(roots: Tensor, session: DraftSession, shape: ShapePlan) -> DraftTree:
     """The one place the evaluator builds a draft tree (what decoding builds at this step)."""
     return build_dynamic_tree(roots, session, shape)
 
 
-def _walk(drafter: Drafter, replay: _Replay, shape: TreeShape, report: AcceptanceReport) -> list[PromptAcceptance]:
+def _walk(drafter: Drafter, replay: _Replay, shape: ShapePlan, report: AcceptanceReport) -> list[PromptAcceptance]:
     """Replay tree decoding along the continuations; rows finish independently (ragged caches)."""
     seq_ids, prompt_lens, cont_lens = replay.seq_ids, replay.prompt_lens, replay.cont_lens
     batch, width = seq_ids.shape
@@ -357,8 +362,7 @@ def format_report(report: AcceptanceReport) -> str:
         (f"tau {report.tau:.3f} (mean per prompt {report.mean_tau:.3f}, min {min(taus):.2f}, max {max(taus):.2f}) | "
          f"tree {shape_text(report.shape)} | {len(report.prompts)} prompts, "
          f"{sum(p.new_tokens for p in report.prompts)} tokens, {sum(p.target_forwards for p in report.prompts)} "
-         f"target forwards, {report.nodes_verified / max(sum(p.target_forwards for p in report.prompts), 1):.1f} "
-         f"nodes per step"),
+         f"target forwards, {report.mean_nodes_per_step:.1f} nodes per step"),
         f"accepted >= d draft tokens, d = 1..{len(report.acceptance_by_depth)}: {by_depth}",
         f"numerical ties (top-2 logit margin < {report.tie_epsilon:g}) on the greedy path: {len(report.ties)}"
         + (f"; continuation tokens that differ from the one-forward argmax: {report.num_mismatches}"

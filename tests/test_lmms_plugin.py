@@ -130,7 +130,7 @@ def test_auto_tree_by_default_is_lossless_and_learns_across_requests(
     assert model.tree == "auto"
     requests = [request(0, IMAGE_CONTEXT), request(1, TEXT_CONTEXT)]
     assert texts(model, requests) == texts(plain, requests)
-    assert model.acceptance.rank_tried.sum() > 0  # what the plan learnt is kept for the next request
+    assert model.tree_generate.stats[0.0].rank_tried.sum() > 0  # what the plan learnt is kept for the next request
 
 
 @pytest.mark.parametrize(("args", "message"), [
