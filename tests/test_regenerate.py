@@ -148,6 +148,23 @@ def test_sampling_is_independent_of_batch_size_order_and_resume(chat_target, tmp
     assert greedy != one
 
 
+def test_stats_count_answers_and_their_generated_tokens(chat_target, tmp_path, monkeypatch):
+    generated: list[int] = []
+
+    def wrapper(target, prompts, config, **kwargs):
+        results = vanilla_generate(target, prompts, config, **kwargs)
+        generated.extend(len(r.output_ids) for r in results)
+        return results
+
+    monkeypatch.setattr(regenerate_module, "vanilla_generate", wrapper)
+    stats = RegenerateStats()
+    regenerate_conversations(chat_target, CONVS, cache_path=tmp_path / "c.jsonl", max_new_tokens=MAX_NEW,
+                             batch_size=2, progress=False, stats=stats)
+    assert stats.num_answers == len(generated) > len(CONVS)  # multi-turn conversations answer more than once
+    assert stats.num_tokens == sum(generated) > 0
+    assert f"{stats.num_tokens} tokens" in stats.summary()
+
+
 def test_too_long_prompt_stops_the_conversation_and_is_counted(chat_target, tmp_path):
     long_text = " ".join(["w3"] * (chat_target.max_positions - MAX_NEW))
     convs = [
