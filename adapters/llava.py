@@ -14,7 +14,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 
-from mmvsd.adapter import Expansion, MediaSpan, ModalityAdapter, Prompt, register_adapter
+from mmvsd.adapter import Expansion, MediaSpan, ModalityAdapter, Prompt
 from mmvsd.errors import UserError
 
 
@@ -69,10 +69,10 @@ def image_spans(token_ids: Tensor, image_token_id: int, span_length: int) -> lis
     return spans
 
 
-@register_adapter("llava")
 class LlavaAdapter(ModalityAdapter):
     """Images for LlavaForConditionalGeneration targets that come with a processor."""
 
+    name = "llava"
     modality = "image"
 
     def accepts(self, target) -> bool:

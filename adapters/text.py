@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mmvsd.adapter import ModalityAdapter, Prompt, register_adapter
+from mmvsd.adapter import ModalityAdapter, Prompt
 from mmvsd.errors import UserError
 
 
-@register_adapter("text")
 class TextAdapter(ModalityAdapter):
     """Text only: any target with a tokenizer."""
 
+    name = "text"
     modality = ""
 
     def accepts(self, target) -> bool:

@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from mmvsd.baselines import hf_generate
 from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate
-from mmvsd.drafter import load_drafter
+from mmvsd.drafters import load_drafter
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.kv import RaggedCache
 from mmvsd.target import Target

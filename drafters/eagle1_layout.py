@@ -34,7 +34,7 @@ from mmvsd.drafters.eagle3_layout import EMBEDDINGS, REQUIRED_CONFIG, SUPPORTED_
 from mmvsd.drafters.msd import MSDDrafter
 from mmvsd.drafters.vispec import ViSpecDrafter
 from mmvsd.errors import UserError
-from mmvsd.layouts import Layout, identify_layout, load_checked_state, register_layout
+from mmvsd.layout import Layout, NotThisLayout, load_checked_state
 
 logger = logging.getLogger(__name__)
 
@@ -99,9 +99,7 @@ class Eagle1Layout(Layout):
             return
         problems = [f"{label} {', '.join(names)}" for label, names in (("missing", missing), ("unexpected", unexpected))
                     if names]
-        other = identify_layout(raw, keys, exclude=(self.name,))
-        hint = f"; it looks like the {other!r} layout (use --init {other}:PATH)" if other else ""
-        raise UserError(f"{path} does not hold {self.description}: " + " | ".join(problems) + hint)
+        raise NotThisLayout(f"{path} does not hold {self.description}: " + " | ".join(problems), raw, keys)
 
     def extra_sizes(self, state: dict[str, Tensor], path: Path) -> dict:
         """Config fields read from the weights rather than config.json."""
@@ -234,7 +232,3 @@ def check_shapes(state: dict[str, Tensor], drafter: Eagle1Drafter, path: Path) -
              if v.shape != expected[k].shape]
     if wrong:
         raise UserError(f"weights in {path} do not match its {CONFIG_FILE}: wrong shapes: {'; '.join(wrong)}")
-
-
-register_layout(MSDLayout())
-register_layout(ViSpecLayout())

@@ -25,7 +25,6 @@ from mmvsd.drafter import (
     check_fits_target,
     load_drafter_weights,
     read_drafter_config,
-    register_drafter,
     save_drafter_folder,
 )
 from mmvsd.kv import RaggedCache
@@ -163,9 +162,10 @@ class MidLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-@register_drafter("eagle3")
 class Eagle3Drafter(Drafter):
     """The EAGLE-3 draft model."""
+
+    drafter_type = "eagle3"
 
     def __init__(self, config: Eagle3Config, embed_tokens: nn.Embedding) -> None:
         super().__init__()

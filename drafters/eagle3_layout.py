@@ -40,7 +40,7 @@ from torch import Tensor
 from mmvsd.checkpoints import CONFIG_FILE, read_config, read_tensors
 from mmvsd.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from mmvsd.errors import UserError
-from mmvsd.layouts import Layout, identify_layout, load_checked_state, register_layout
+from mmvsd.layout import Layout, NotThisLayout, load_checked_state
 from mmvsd.target import default_aux_layer_ids
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class Eagle3Layout(Layout):
         """Our drafter from an EAGLE-3 config dict (research layout keys) and the folder's weights."""
         state = normalise_keys(read_tensors(path))
         if has_foreign_keys(set(state)) or not Eagle3Layout.detect(self, raw, set(state)):
-            raise UserError(f"{path} is not an EAGLE-3 checkpoint: it looks like {foreign_layout(raw, set(state))}")
+            raise NotThisLayout(f"{path} is not an EAGLE-3 checkpoint", raw, set(state), foreign_layout(set(state), raw))
         config = eagle3_config(raw, target, path)
         drafter = Eagle3Drafter(config, target.input_embeddings)
         state = complete_state(state, config, target, path)
@@ -156,12 +156,8 @@ def has_foreign_keys(keys: set[str]) -> bool:
     return any(k.startswith(("layers.", "imadpt.", "img_fc.")) for k in keys)
 
 
-def foreign_layout(config: dict, keys: set[str]) -> str:
-    """A name for the layout a non-EAGLE-3 checkpoint seems to be in, for the error message."""
-    registered = identify_layout(config, keys, exclude=("eagle3",))
-    if registered is not None:
-        hint = "" if registered == "hf" else f"; use --init {registered}:PATH"
-        return f"the {registered!r} layout{hint}"
+def foreign_layout(keys: set[str], config: dict) -> str:
+    """What a non-EAGLE-3 checkpoint that no registered layout recognises seems to be, for the error message."""
     if any(k.startswith("imadpt.") for k in keys):
         return "a ViSpec drafter (EAGLE-1 layout with an image adaptor, imadpt.* keys)"
     if any(k.startswith("layers.0.") for k in keys):
@@ -309,7 +305,6 @@ def check_state(state: dict[str, Tensor], drafter: Eagle3Drafter, path: Path) ->
         raise UserError(f"EAGLE-3 weights in {path} do not match the layout: " + " | ".join(problems))
 
 
-register_layout(Eagle3Layout())
 
 
 SPECULATORS_VERSION = "0.9.0"
@@ -403,6 +398,3 @@ def verifier_architectures(verifier: str) -> list[str]:
     if config_file.is_file():
         return list(json.loads(config_file.read_text()).get("architectures") or [])
     return ["LlamaForCausalLM"]
-
-
-register_layout(SpeculatorsLayout())

@@ -13,14 +13,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mmvsd.drafter import PairMedia, register_drafter
+from mmvsd.drafter import PairMedia
 from mmvsd.drafters.eagle1 import Eagle1Drafter, LayerInput
 from mmvsd.kv import RaggedCache
 
 
-@register_drafter("msd")
 class MSDDrafter(Eagle1Drafter):
     """The MSD draft model."""
+
+    drafter_type = "msd"
 
     display_name = "MSD"
     default_max_images = 1  # MSD's released drafters and decoding code take one image per prompt

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from mmvsd.drafter import PairMedia, register_drafter
+from mmvsd.drafter import PairMedia
 from mmvsd.drafters.eagle1 import Eagle1Config, Eagle1Drafter, LayerInput
 from mmvsd.errors import UserError
 from mmvsd.kv import RaggedCache
@@ -65,9 +65,10 @@ def span_bounds(span_ids: Tensor) -> list[tuple[int, int, int]]:
     return bounds
 
 
-@register_drafter("vispec")
 class ViSpecDrafter(Eagle1Drafter):
     """The ViSpec draft model."""
+
+    drafter_type = "vispec"
 
     config_class = ViSpecConfig
     display_name = "ViSpec"

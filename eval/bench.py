@@ -36,8 +36,8 @@ from mmvsd.decode import DecodeConfig, SequenceResult, speculative_generate, van
 from mmvsd.drafter_spec import drafter_from_spec
 from mmvsd.errors import UserError
 from mmvsd.eval.bench_config import BenchConfig, tree_shape
+from mmvsd.eval.bench_item import BenchItem
 from mmvsd.eval.suites import (
-    BenchItem,
     benchmark,
     is_multimodal,
     is_synthetic,
@@ -220,7 +220,7 @@ class MediaWriter:
         self.adapter = None
 
     def files(self, target: Target, item: BenchItem):
-        from mmvsd.adapter import choose_adapter
+        from mmvsd.adapters import choose_adapter
 
         if self.adapter is None:
             self.adapter = choose_adapter(target, self.adapter_name, "image")

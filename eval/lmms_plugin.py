@@ -172,7 +172,7 @@ class MmvsdLmms(lmms):
     def image_adapter(self) -> ModalityAdapter:
         """The adapter that turns text + image files into prompts (chosen once, on first use)."""
         if self._image_adapter is None:
-            from mmvsd.adapter import choose_adapter
+            from mmvsd.adapters import choose_adapter
 
             self._image_adapter = choose_adapter(self.target, self.adapter_name, "image")
         return self._image_adapter

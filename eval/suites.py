@@ -11,22 +11,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 
 from mmvsd.errors import UserError
+from mmvsd.eval.bench_item import BenchItem
 from mmvsd.eval.scoring import gsm8k_correct, humaneval_passed
-
-
-@dataclass(frozen=True)
-class BenchItem:
-    """One benchmark prompt: its user turns and what scoring needs."""
-
-    benchmark: str
-    item_id: str
-    turns: tuple[str, ...]  # user turns; turn k is asked after the model's own answer to turn k-1
-    reference: dict = field(default_factory=dict)  # gsm8k: {"answer"}, humaneval: the problem, tasks: doc index
-    images: tuple = ()  # PIL images shown before the first turn
 
 
 def _data_lines(relative: str) -> list[dict]:

@@ -1,9 +1,8 @@
-"""Modality adapters: raw inputs of one modality plus the prompt text -> what the target reads and
+"""The modality-adapter interface: raw inputs of one modality plus the prompt text -> what the target reads and
 what a drafter may consume. The core only sees `Prompt` values; it never knows which modality made them.
 
-An adapter registers by decorator (`@register_adapter("name")`) or, from another package, through
-the entry-point group ``mmvsd.adapters`` (``name = "package.module:AdapterClass"``); registered
-adapters are listed by ``mmvsd adapters list``.
+This module is the interface; the built-in adapters and the registry that finds adapters by name
+or modality (entry-point group ``mmvsd.adapters`` for other packages) are `mmvsd.adapters`.
 
 Glossary: a *span* is the run of prompt positions one media item occupies (image tokens);
 *patch embeddings* are the target encoder's own outputs for it (before any projector);
@@ -13,8 +12,6 @@ Shapes: T prompt tokens, S span tokens, C encoder width, H target hidden size.
 
 from __future__ import annotations
 
-import importlib.metadata
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -22,9 +19,6 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from mmvsd.errors import UserError
-
-ENTRY_POINT_GROUP = "mmvsd.adapters"
 
 
 @dataclass(frozen=True)
@@ -113,79 +107,3 @@ class ModalityAdapter:
     def embed(self, target, token_ids: list[int], media: list[Path]) -> Prompt:
         """The `Prompt` of expanded ids (from `expand`) with `media` in its spans, in order."""
         raise NotImplementedError(f"adapter {self.name!r} cannot be used for training")
-
-
-ADAPTERS: dict[str, type[ModalityAdapter]] = {}
-ADAPTER_SOURCES: dict[str, str] = {}  # name -> where it was registered from
-_entry_points_loaded = False
-
-
-def register_adapter(name: str) -> Callable[[type[ModalityAdapter]], type[ModalityAdapter]]:
-    """Class decorator: make an adapter available by `name`."""
-
-    def add(cls: type[ModalityAdapter]) -> type[ModalityAdapter]:
-        cls.name = name
-        ADAPTERS[name] = cls
-        ADAPTER_SOURCES.setdefault(name, cls.__module__)
-        return cls
-
-    return add
-
-
-def _load_entry_points() -> None:
-    """Import the adapters other packages declare in the `mmvsd.adapters` entry-point group (once)."""
-    global _entry_points_loaded
-    if _entry_points_loaded:
-        return
-    _entry_points_loaded = True
-    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            loaded = entry.load()
-        except Exception as err:  # noqa: BLE001  a broken plugin must not break mmvsd: report it and go on
-            ADAPTER_SOURCES[entry.name] = f"broken entry point {entry.value}: {type(err).__name__}: {err}"
-            continue
-        if isinstance(loaded, type) and issubclass(loaded, ModalityAdapter) and entry.name not in ADAPTERS:
-            register_adapter(entry.name)(loaded)
-        dist = entry.dist.name if entry.dist is not None else "?"
-        if entry.name in ADAPTERS:
-            ADAPTER_SOURCES[entry.name] = f"entry point {entry.value} (package {dist})"
-
-
-def registered_adapters() -> dict[str, str]:
-    """Every adapter name with where it came from (built-ins, then entry points)."""
-    import mmvsd.adapters  # noqa: F401  (registers the built-in adapters)
-
-    _load_entry_points()
-    return dict(sorted(ADAPTER_SOURCES.items()))
-
-
-def get_adapter(name: str) -> ModalityAdapter:
-    """The adapter registered as `name` (error lists the registered ones)."""
-    registered_adapters()
-    if name not in ADAPTERS:
-        raise UserError(f"no modality adapter {name!r}; registered: {', '.join(sorted(ADAPTERS))}")
-    return ADAPTERS[name]()
-
-
-def adapter_for(target, modality: str) -> ModalityAdapter:
-    """The first registered adapter that takes `modality` files (or plain text, when empty) for `target`."""
-    registered_adapters()
-    for cls in ADAPTERS.values():
-        adapter = cls()
-        if adapter.modality == modality and adapter.accepts(target):
-            return adapter
-    if modality:
-        raise UserError(f"target {target.name!r} takes no {modality} input: no registered adapter "
-                        f"({', '.join(sorted(ADAPTERS))}) feeds it {modality}s")
-    raise UserError(f"no registered adapter feeds target {target.name!r}")
-
-
-def choose_adapter(target, name: str = "", modality: str = "image") -> ModalityAdapter:
-    """The adapter `name` (or the first registered one that takes `modality` files for `target`), checked
-    to take that modality (when one is asked for) and to fit the target."""
-    adapter = get_adapter(name) if name else adapter_for(target, modality)
-    if modality and adapter.modality != modality:
-        raise UserError(f"adapter {adapter.name!r} takes no {modality}s")
-    if not adapter.accepts(target):
-        raise UserError(f"adapter {adapter.name!r} cannot feed target {target.name!r}")
-    return adapter

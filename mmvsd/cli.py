@@ -245,7 +245,7 @@ def _encode_prompts(target, texts: list[str], args: argparse.Namespace) -> list:
     """Prompts through the chosen modality adapter (plain chat-template ids when there is no media)."""
     from pathlib import Path
 
-    from mmvsd.adapter import choose_adapter
+    from mmvsd.adapters import choose_adapter
 
     if not args.image and not args.adapter:
         return [target.encode_prompt(t) for t in texts]
@@ -303,7 +303,7 @@ def run_drafters(args: argparse.Namespace) -> None:
 
 def run_adapters(args: argparse.Namespace) -> None:
     """`mmvsd adapters list`."""
-    from mmvsd.adapter import registered_adapters
+    from mmvsd.adapters import registered_adapters
 
     for name, source in registered_adapters().items():
         print(f"{name:<16} {source}")

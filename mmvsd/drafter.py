@@ -1,9 +1,10 @@
-"""The drafter interface, the drafter registry, and the decoding session every drafter shares.
+"""The drafter interface (`Drafter`, `DraftInputs`, `PairMedia`) and the helpers drafter files share.
 
 EAGLE-family drafters read "pairs": at committed position t they see a feature of position t
 (the target's auxiliary hidden states, or their own output hidden state inside a draft tree) and
-the embedding of token t+1, and predict token t+2. A `DraftSession` keeps a drafter's own ragged
-KV cache in step with the target's and implements the tree builder's `TreeExpander` protocol.
+the embedding of token t+1, and predict token t+2. A `DraftSession` (`mmvsd.draft_session`) keeps a
+drafter's own ragged KV cache in step with the target's while decoding. The architectures and the
+registry that loads them by name are `mmvsd.drafters`.
 
 Media reach a drafter as `PairMedia`: for every pair, the target's input embedding of the pair's
 next token (the projected media embedding inside a media span) and which span that token is in.
@@ -13,7 +14,6 @@ Drafters that do not read media (EAGLE-3) embed the placeholder token ids instea
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import ClassVar
@@ -23,31 +23,10 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from mmvsd.checkpoints import read_config
+from mmvsd.draft_session import DraftSession
 from mmvsd.errors import UserError
 from mmvsd.files import atomic_dir
-from mmvsd.kv import RaggedCache, sequence_block
-
-DRAFTERS: dict[str, type[Drafter]] = {}
-
-
-def register_drafter(name: str) -> Callable[[type[Drafter]], type[Drafter]]:
-    """Class decorator: make a drafter architecture loadable by its `drafter_type` name."""
-
-    def add(cls: type[Drafter]) -> type[Drafter]:
-        cls.drafter_type = name
-        DRAFTERS[name] = cls
-        return cls
-
-    return add
-
-
-def drafter_class(name: str) -> type[Drafter]:
-    """The registered drafter class called `name` (clear error listing the known ones)."""
-    import mmvsd.drafters  # noqa: F401  (registers the built-in drafters)
-
-    if name not in DRAFTERS:
-        raise UserError(f"unknown drafter type {name!r}; registered: {', '.join(sorted(DRAFTERS))}")
-    return DRAFTERS[name]
+from mmvsd.kv import RaggedCache
 
 
 @dataclass(frozen=True)
@@ -151,17 +130,6 @@ class Drafter(nn.Module):
         return RaggedCache(batch_size, device)
 
 
-def load_drafter(path: str | Path, target) -> Drafter:
-    """Load a drafter directory (config.json + model.safetensors) for `target`."""
-    path = Path(path)
-    drafter_type = read_config(path).get("mmvsd_drafter_type")
-    if not drafter_type:
-        raise UserError(f"{path / 'config.json'} does not name an mmvsd drafter type (key 'mmvsd_drafter_type')")
-    drafter = drafter_class(drafter_type).from_pretrained(path, target)
-    drafter.check_target(target)
-    return drafter
-
-
 def check_fits_target(target, hidden_size: int, vocab_size: int, made_for: str, extra: list[str] = ()) -> None:
     """UserError listing every way a drafter of these sizes (made for `made_for`) does not fit `target`."""
     problems = []
@@ -214,62 +182,3 @@ def target_to_draft_ids(drafter: Drafter, vocab_size: int) -> Tensor:
     index = torch.full((vocab_size,), -1, dtype=torch.long, device=vocab_ids.device)
     index[vocab_ids] = torch.arange(vocab_ids.numel(), device=vocab_ids.device)
     return index
-
-
-class DraftSession:
-    """One drafter's state while decoding a batch: its ragged KV cache and last outputs."""
-
-    def __init__(self, drafter: Drafter, batch_size: int) -> None:
-        self.drafter = drafter
-        device = next(drafter.parameters()).device
-        self.dtype = next(drafter.parameters()).dtype
-        self.cache = drafter.new_cache(batch_size, device)
-        self.last_hidden: Tensor | None = None  # [B, H] output at each row's last committed pair
-        self.frontier_hidden: Tensor | None = None  # [B, K, H] outputs of the last expanded frontier
-        self.num_expanded = 0
-
-    @torch.no_grad()
-    def advance(self, inputs: DraftInputs) -> None:
-        """Feed newly committed pairs and commit them to the drafter's cache."""
-        batch, width = inputs.next_ids.shape
-        device = inputs.next_ids.device
-        depths, causal = sequence_block(batch, width, device)
-        hidden = self.drafter(
-            inputs.features.to(self.dtype), inputs.next_ids, self.cache.positions(depths),
-            self.cache.attention_mask(causal, self.dtype), self.cache, from_target=True, media=inputs.media,
-        )
-        rows = torch.arange(batch, device=device)
-        self.last_hidden = hidden[rows, inputs.num_new - 1]
-        self.cache.keep(depths, inputs.num_new)
-
-    def root_candidates(self, topk: int) -> tuple[Tensor, Tensor]:
-        logprobs = self.drafter.draft_logprobs(self.last_hidden)  # [B, Vd]
-        top = logprobs.topk(min(topk, logprobs.shape[-1]), dim=-1)
-        self.frontier_hidden = self.last_hidden[:, None]
-        self.num_expanded = 0
-        return self.drafter.draft_to_target(top.indices), top.values
-
-    @torch.no_grad()
-    def expand(self, token_ids: Tensor, parent_slots: Tensor, block_mask: Tensor, topk: int) -> tuple[Tensor, Tensor]:
-        parent_hidden = self.frontier_hidden.gather(
-            1, parent_slots[:, :, None].expand(-1, -1, self.frontier_hidden.shape[-1])
-        )
-        depths = torch.full_like(token_ids, self.num_expanded)
-        hidden = self.drafter(
-            parent_hidden, token_ids, self.cache.positions(depths),
-            self.cache.attention_mask(block_mask, self.dtype), self.cache, from_target=False,
-        )
-        self.frontier_hidden = hidden
-        self.num_expanded += 1
-        logprobs = self.drafter.draft_logprobs(hidden)  # [B, K, Vd]
-        top = logprobs.topk(min(topk, logprobs.shape[-1]), dim=-1)
-        return self.drafter.draft_to_target(top.indices), top.values
-
-    def end_round(self) -> None:
-        self.cache.drop_block()
-        self.frontier_hidden = None
-
-    def select_rows(self, rows: Tensor) -> None:
-        """Keep only batch rows `rows` (finished sequences leave the batch)."""
-        self.cache.select_rows(rows)
-        self.last_hidden = self.last_hidden[rows]

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 from mmvsd.checkpoints import hf_cache_snapshot, hf_hub_cache
 from mmvsd.errors import UserError
-from mmvsd.layouts import LAYOUTS, Layout, folder_layout, layout_names
+from mmvsd.layout import Layout
+from mmvsd.layouts import LAYOUTS, folder_layout, layout_names, load_with
 
 if TYPE_CHECKING:
     from mmvsd.drafter import Drafter
@@ -30,7 +31,7 @@ class InitSource:
     path: Path
 
     def load(self, target: Target) -> Drafter:
-        return self.layout.load(self.path, target)
+        return load_with(self.layout, self.path, target)
 
 
 def resolve_init(spec: str, target_name: str) -> InitSource | None:

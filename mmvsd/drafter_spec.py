@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mmvsd.drafter import Drafter, drafter_class, load_drafter
+from mmvsd.drafter import Drafter
+from mmvsd.drafters import drafter_class, load_drafter
 from mmvsd.errors import UserError
 from mmvsd.hybrid import with_ngram
 from mmvsd.ngram import NgramDrafter, parse_ngram_spec

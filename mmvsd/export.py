@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from mmvsd.checkpoints import read_config
-from mmvsd.drafter import load_drafter
+from mmvsd.drafters import load_drafter
 from mmvsd.errors import UserError
 from mmvsd.files import atomic_dir
 from mmvsd.layouts import layout, layouts_for

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mmvsd.drafter import Drafter, DraftInputs, DraftSession
+from mmvsd.drafter import Drafter, DraftInputs
+from mmvsd.draft_session import DraftSession
 from mmvsd.ngram import NEG_INF, NgramConfig, NgramDrafter, NgramSession
 
 

@@ -1,58 +1,26 @@
-"""Checkpoint layouts: drafters read from and written to other projects' formats.
-
-A `Layout` ties one of our drafter architectures to a folder layout that someone else publishes or
-serves (vLLM / SGLang EAGLE-3, MSD, ViSpec, ...): `export` writes it, `load` reads it back into our
-drafter (what the layout leaves out, such as token embeddings, comes from the target), `detect`
-recognises it from config.json and the weight names, and `released` maps a target name to the HF
-repo id of the drafter published for that target. Layouts live beside their drafter in `drafters/`
-and call `register_layout`; `hf` is our own `save_pretrained` folder, so exporting to it round-trips.
-
-Reading the folders is `mmvsd.checkpoints`; `--init` is `mmvsd.drafter_init`; `mmvsd export` is
-`mmvsd.export`.
+"""The checkpoint-layout registry: every layout by name (ours, `hf`, and the built-in drafters' from
+`drafters/*_layout.py`), recognising a folder's layout, and loading through a layout with a hint when a
+folder is in another. The interface is `mmvsd.layout`; reading the folders is `mmvsd.checkpoints`;
+`--init` is `mmvsd.drafter_init`; `mmvsd export` is `mmvsd.export`.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from mmvsd.checkpoints import CONFIG_FILE, read_config, read_keys
-from mmvsd.drafter import Drafter, load_drafter
+from mmvsd.drafter import Drafter
+from mmvsd.drafters import load_drafter
+from mmvsd.drafters.eagle1_layout import MSDLayout, ViSpecLayout
+from mmvsd.drafters.eagle3_layout import Eagle3Layout, SpeculatorsLayout
 from mmvsd.errors import UserError
+from mmvsd.layout import Layout, NotThisLayout
 
 if TYPE_CHECKING:
-    from torch import Tensor
-
     from mmvsd.target import Target
 
 LAYOUTS: dict[str, Layout] = {}
-
-
-class Layout:
-    """One way of storing a drafter architecture on disk; subclasses register an instance."""
-
-    name: ClassVar[str] = ""
-    drafter_type: ClassVar[str] = ""  # our drafter architecture it holds ("" for any of ours)
-    released: ClassVar[dict[str, str]] = {}  # target name -> HF repo id of the released drafter
-
-    serving_note: ClassVar[str] = ""  # who reads this layout, said when a drafter cannot be exported to it
-    detect_first: ClassVar[bool] = False  # `detect` relies on an unambiguous config.json marker
-
-    def export(self, drafter: Drafter, out_dir: Path) -> None:
-        """Write `drafter` into the existing empty folder `out_dir`."""
-        raise NotImplementedError
-
-    def export_for(self, drafter: Drafter, out_dir: Path, target: Target) -> None:
-        """Write `drafter`, made for `target`, into `out_dir` (layouts that record target facts override it)."""
-        self.export(drafter, out_dir)
-
-    def load(self, path: Path, target: Target) -> Drafter:
-        """Read the folder `path` into our drafter, made for `target` (UserError if it does not fit)."""
-        raise NotImplementedError
-
-    def detect(self, config: dict, keys: set[str]) -> bool:
-        """Whether a checkpoint with this config.json and these weight names is in this layout."""
-        raise NotImplementedError
 
 
 class HFLayout(Layout):
@@ -83,8 +51,6 @@ def register_layout(layout: Layout) -> Layout:
 
 def layout_names() -> list[str]:
     """Names of all registered layouts (the built-in drafters' layouts included)."""
-    import mmvsd.drafters  # noqa: F401  (registers the built-in drafters and their layouts)
-
     return sorted(LAYOUTS)
 
 
@@ -105,15 +71,19 @@ def identify_layout(config: dict, keys: set[str], exclude: tuple[str, ...] = ())
     return None
 
 
-register_layout(HFLayout())
+for _builtin in (HFLayout(), Eagle3Layout(), SpeculatorsLayout(), MSDLayout(), ViSpecLayout()):
+    register_layout(_builtin)
 
 
-def load_checked_state(drafter: Drafter, state: dict[str, Tensor], target: Target) -> Drafter:
-    """Load an already checked state (cast to the drafter's dtypes) and hand the drafter over for `target`."""
-    dtypes = {k: v.dtype for k, v in drafter.state_dict().items()}
-    drafter.load_state_dict({k: v.to(dtypes[k]) for k, v in state.items()})
-    drafter.check_target(target)
-    return drafter.to(device=target.device, dtype=target.dtype).eval()
+def load_with(chosen: Layout, path: Path, target: Target) -> Drafter:
+    """`chosen.load(path, target)`; a folder in another layout is one error that names the layout it is in."""
+    try:
+        return chosen.load(path, target)
+    except NotThisLayout as err:
+        other = identify_layout(err.config, err.keys, exclude=(chosen.name,))
+        if other is not None:
+            raise UserError(f"{err.message}; it looks like the {other!r} layout (use --init {other}:PATH)") from None
+        raise UserError(f"{err.message}; it looks like {err.looks_like}" if err.looks_like else err.message) from None
 
 
 def folder_layout(path: Path) -> Layout:

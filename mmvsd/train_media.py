@@ -13,7 +13,8 @@ from dataclasses import replace
 
 import torch
 
-from mmvsd.adapter import ModalityAdapter, Prompt, choose_adapter, padded_embeds, span_ids
+from mmvsd.adapter import ModalityAdapter, Prompt, padded_embeds, span_ids
+from mmvsd.adapters import choose_adapter
 from mmvsd.data.conversations import Conversation, Turn
 from mmvsd.data.render import RenderedExample, render_conversation
 from mmvsd.errors import UserError

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from mmvsd.data.conversations import parse_dataset_spec
-from mmvsd.drafter import Drafter, drafter_class
+from mmvsd.drafter import Drafter
+from mmvsd.drafters import drafter_class
 from mmvsd.drafter_init import InitSource, resolve_init
 from mmvsd.errors import UserError
 from mmvsd.evaluate import TauMonitor

@@ -124,8 +124,9 @@ def evaluate_random_drafter(target):
 
 
 def test_evaluator_with_image_prompts_equals_generate(llava_target, llava_dir):
-    from mmvsd.adapter import Prompt, choose_adapter
-    from mmvsd.drafter import drafter_class
+    from mmvsd.adapter import Prompt
+    from mmvsd.adapters import choose_adapter
+    from mmvsd.drafters import drafter_class
 
     adapter = choose_adapter(llava_target, "", "image")
     prompts = [adapter.encode(llava_target, "w5 w6", [llava_dir / "a.png"]),

@@ -13,10 +13,12 @@ import torch
 from PIL import Image
 
 from conftest import save_tiny_llava
-from mmvsd.adapter import Prompt, adapter_for
+from mmvsd.adapter import Prompt
+from mmvsd.adapters import adapter_for
 from mmvsd.cli import main
 from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate
-from mmvsd.drafter import DraftInputs, PairMedia, drafter_class, load_drafter
+from mmvsd.drafter import DraftInputs, PairMedia
+from mmvsd.drafters import drafter_class, load_drafter
 from mmvsd.drafters.vispec import ViSpecConfig, ViSpecDrafter
 from mmvsd.errors import UserError
 from mmvsd.kv import sequence_block

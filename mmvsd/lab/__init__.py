@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mmvsd.lab.names import TOWER_ARCHITECTURE
 from mmvsd.targets import BuiltinTarget
-
-TOWER_ARCHITECTURE = "mmvsd_efficientnet_lite0"  # the timm name of smol-llava's vision tower
 
 
 def smol_llava_target() -> BuiltinTarget:

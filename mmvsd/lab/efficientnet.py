@@ -50,7 +50,7 @@ from transformers import (
 )
 
 from mmvsd.errors import UserError
-from mmvsd.lab import TOWER_ARCHITECTURE
+from mmvsd.lab.names import TOWER_ARCHITECTURE
 
 __all__ = [
     "TOWER_ARCHITECTURE",
