@@ -200,7 +200,7 @@ def draft_logits_inputs(target, drafter, prompt: list[int], folder: Path) -> Pat
         length = ids.shape[1]
         positions = torch.arange(length)[None]
         mask = torch.full((length, length), float("-inf")).triu(1)[None, None]
-        logits = drafter.draft_logits(drafter(features, next_ids, positions, mask, None, from_target=True))
+        logits = drafter.draft_logits(drafter.read_target(features, next_ids, positions, mask, None))
     path = folder / "speculators_inputs.pt"
     torch.save({"features": features, "token_ids": next_ids, "mmvsd_logits": logits}, path)
     return path

@@ -248,7 +248,7 @@ def summarise(args: argparse.Namespace, runs: list[dict], counts: dict, set_name
             init = arm_counts(counts, [args.init], temperature, names)
             rows.append({"temperature": float(temperature), "prompts": group, "budget": "-", "arm": "init", "steps": 0,
                          **summarise_arm(*init, resamples)})
-            for budget in ("steps", "wall"):
+            for budget in args.evaluate_budgets:
                 by_arm = {}
                 for run in runs:
                     if run["budget"] == budget:
@@ -289,10 +289,12 @@ def plot(rows: list[dict], path: Path) -> None:
     group = "all" if any(r["prompts"] == "all" for r in rows) else rows[0]["prompts"]
     rows = [r for r in rows if r["prompts"] == group]
     temperatures = sorted({r["temperature"] for r in rows})
-    fig, axes = plt.subplots(len(temperatures), 2, figsize=(10, 3.6 * len(temperatures)), squeeze=False)
+    budgets = [b for b in ("steps", "wall") if any(r["budget"] == b for r in rows)]
+    fig, axes = plt.subplots(len(temperatures), len(budgets), figsize=(5 * len(budgets), 3.6 * len(temperatures)),
+                             squeeze=False)
     for i, temperature in enumerate(temperatures):
         init = next(r for r in rows if r["temperature"] == temperature and r["arm"] == "init")
-        for j, budget in enumerate(("steps", "wall")):
+        for j, budget in enumerate(budgets):
             ax = axes[i][j]
             mine = [r for r in rows if r["temperature"] == temperature and r["budget"] == budget]
             for x, r in enumerate(mine):
@@ -339,6 +341,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=60, help="optimizer steps of the same-steps phase")
     p.add_argument("--wall-seconds", type=float, default=0.0, help="wall-clock budget (0: from --budget-arm)")
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--evaluate-budgets", default="steps,wall",
+                   help="which comparisons to evaluate and report: steps, wall or both (all are trained)")
     p.add_argument("--lr", type=float, default=3e-5, help="continuation learning rate (paper: 5e-6 vs 3e-4)")
     p.add_argument("--eval-prompts", default="mt_bench,humaneval,gsm8k")
     p.add_argument("--eval-limit", type=int, default=80)
@@ -352,6 +356,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="benchmarks/results/vsd_study")
     args = p.parse_args(argv)
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
+    args.evaluate_budgets = [b for b in args.evaluate_budgets.split(",") if b]
     return args
 
 
@@ -364,6 +369,8 @@ def check_args(args: argparse.Namespace, arms: list[Arm]) -> None:
     for role in ("baseline_arm", "budget_arm"):
         if getattr(args, role) not in names:
             raise UserError(f"--{role.replace('_', '-')} {getattr(args, role)!r} is not an arm ({', '.join(names)})")
+    if not args.evaluate_budgets or not set(args.evaluate_budgets) <= {"steps", "wall"}:
+        raise UserError(f"--evaluate-budgets takes steps, wall or both, got {','.join(args.evaluate_budgets)!r}")
     if args.steps < 1 or args.seeds < 1 or args.lr <= 0 or args.bootstrap < 100 or args.wall_seconds < 0:
         raise UserError("need --steps >= 1, --seeds >= 1, --lr > 0, --bootstrap >= 100, --wall-seconds >= 0")
 
@@ -381,7 +388,7 @@ def run_study(args: argparse.Namespace, target=None) -> list[dict]:
     target = target if target is not None else load_target(args.target)  # evaluation: fp32 unless given
     train_dtype = TARGET_DTYPES[config.target_dtype]  # training: the config's (bf16 features are ~3x faster here)
     train_target = target if target.dtype == train_dtype else load_target(args.target, dtype=train_dtype)
-    runs = train_all(args, train_target, arms)
+    runs = [run for run in train_all(args, train_target, arms) if run["budget"] in args.evaluate_budgets]
     specs = [s for s in args.eval_prompts.split(",") if s]
     prompt_sets = load_prompt_sets(target, specs, args.eval_limit, args.max_new_tokens)
     counts = evaluate_all(args, target, runs, prompt_sets)

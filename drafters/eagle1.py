@@ -138,7 +138,8 @@ class DecoderLayer(nn.Module):
 
 
 class Eagle1Drafter(Drafter):
-    """Base of the EAGLE-1-style drafters; subclasses define `layer_input` (how pairs and media enter)."""
+    """Base of the EAGLE-1-style drafters; subclasses define how pairs and media enter the decoder layer
+    (`target_input` for committed pairs, `draft_input` for draft pairs)."""
 
     config_class: ClassVar[type[Eagle1Config]] = Eagle1Config
     display_name: ClassVar[str] = "EAGLE-1"
@@ -173,18 +174,29 @@ class Eagle1Drafter(Drafter):
     def embed(self, token_ids: Tensor, dtype: torch.dtype) -> Tensor:
         return F.embedding(token_ids, self.embed_tokens.weight.detach()).to(dtype)
 
-    def layer_input(
-        self, hidden: Tensor, token_ids: Tensor, attention_mask: Tensor, cache: RaggedCache | None,
-        from_target: bool, media: PairMedia | None,
+    def target_input(
+        self, features: Tensor, token_ids: Tensor, attention_mask: Tensor, cache: RaggedCache | None,
+        media: PairMedia | None,
     ) -> LayerInput:
-        """How Q pairs enter the decoder layer."""
+        """How Q committed pairs (the target's features) and their media enter the decoder layer."""
         raise NotImplementedError
 
-    def forward(
-        self, hidden: Tensor, token_ids: Tensor, positions: Tensor, attention_mask: Tensor, cache: RaggedCache | None,
-        from_target: bool, media: PairMedia | None = None,
+    def draft_input(self, hidden: Tensor, token_ids: Tensor, attention_mask: Tensor) -> LayerInput:
+        """How Q draft pairs (the drafter's own states) enter the decoder layer."""
+        raise NotImplementedError
+
+    def read_target(
+        self, features: Tensor, token_ids: Tensor, positions: Tensor, attention_mask: Tensor,
+        cache: RaggedCache | None, media: PairMedia | None = None,
     ) -> Tensor:
-        entry = self.layer_input(hidden, token_ids, attention_mask, cache, from_target, media)
+        return self._layers(self.target_input(features, token_ids, attention_mask, cache, media), positions, cache)
+
+    def read_draft(
+        self, hidden: Tensor, token_ids: Tensor, positions: Tensor, attention_mask: Tensor, cache: RaggedCache | None,
+    ) -> Tensor:
+        return self._layers(self.draft_input(hidden, token_ids, attention_mask), positions, cache)
+
+    def _layers(self, entry: LayerInput, positions: Tensor, cache: RaggedCache | None) -> Tensor:
         x = entry.x
         for layer in self.layers:
             x = layer(x, positions, entry.attention_mask, cache)

@@ -208,13 +208,16 @@ class Eagle3Drafter(Drafter):
         if weight is not None and weight.shape == self.norm.weight.shape:
             self.norm.weight.copy_(weight.to(self.norm.weight))
 
-    def forward(
-        self, hidden: Tensor, token_ids: Tensor, positions: Tensor, attention_mask: Tensor, cache: RaggedCache | None,
-        from_target: bool, media: PairMedia | None = None,
+    def read_target(
+        self, features: Tensor, token_ids: Tensor, positions: Tensor, attention_mask: Tensor,
+        cache: RaggedCache | None, media: PairMedia | None = None,
     ) -> Tensor:
         """EAGLE-3 reads media spans as their placeholder tokens' embeddings (`media` is unused)."""
-        if from_target:
-            hidden = self.fc(hidden)
+        return self.read_draft(self.fc(features), token_ids, positions, attention_mask, cache)
+
+    def read_draft(
+        self, hidden: Tensor, token_ids: Tensor, positions: Tensor, attention_mask: Tensor, cache: RaggedCache | None,
+    ) -> Tensor:
         embeds = self.embed_tokens(token_ids).to(hidden.dtype)
         return self.midlayer(embeds, hidden, positions, attention_mask, cache)
 

@@ -27,11 +27,14 @@ class MSDDrafter(Eagle1Drafter):
     default_max_images = 1  # MSD's released drafters and decoding code take one image per prompt
     media_curriculum = True
 
-    def layer_input(
-        self, hidden: Tensor, token_ids: Tensor, attention_mask: Tensor, cache: RaggedCache | None,
-        from_target: bool, media: PairMedia | None,
+    def target_input(
+        self, features: Tensor, token_ids: Tensor, attention_mask: Tensor, cache: RaggedCache | None,
+        media: PairMedia | None,
     ) -> LayerInput:
-        x = self.fc(torch.cat([self.embed(token_ids, hidden.dtype), hidden], dim=-1))
+        entry = self.draft_input(features, token_ids, attention_mask)
         if media is not None:
-            x = torch.where(media.mask[..., None], media.embeds.to(x.dtype), x)
-        return LayerInput(x, attention_mask)
+            entry.x = torch.where(media.mask[..., None], media.embeds.to(entry.x.dtype), entry.x)
+        return entry
+
+    def draft_input(self, hidden: Tensor, token_ids: Tensor, attention_mask: Tensor) -> LayerInput:
+        return LayerInput(self.fc(torch.cat([self.embed(token_ids, hidden.dtype), hidden], dim=-1)), attention_mask)

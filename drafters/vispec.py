@@ -93,24 +93,27 @@ class ViSpecDrafter(Eagle1Drafter):
             if self.img_fc.bias is not None:
                 self.img_fc.bias.zero_()
 
-    def layer_input(
-        self, hidden: Tensor, token_ids: Tensor, attention_mask: Tensor, cache: RaggedCache | None,
-        from_target: bool, media: PairMedia | None,
+    def draft_input(self, hidden: Tensor, token_ids: Tensor, attention_mask: Tensor) -> LayerInput:
+        """Own states [hidden ; g] of the previous draft step: g rides along unchanged."""
+        embeds = self.embed(token_ids, hidden.dtype)
+        return LayerInput(self.fc(torch.cat([embeds, self.img_fc(hidden)], dim=-1)), attention_mask,
+                          extra_state=hidden[..., self.config.hidden_size:])
+
+    def target_input(
+        self, features: Tensor, token_ids: Tensor, attention_mask: Tensor, cache: RaggedCache | None,
+        media: PairMedia | None,
     ) -> LayerInput:
         size = self.config.hidden_size
-        embeds = self.embed(token_ids, hidden.dtype)
-        if not from_target:  # own states [hidden ; g] of the previous draft step
-            return LayerInput(self.fc(torch.cat([embeds, self.img_fc(hidden)], dim=-1)), attention_mask,
-                              extra_state=hidden[..., size:])
-        batch, num_pairs, _ = hidden.shape
+        embeds = self.embed(token_ids, features.dtype)
+        batch, num_pairs, _ = features.shape
         prior = cache.row_state.get(GLOBAL_STATE) if cache is not None else None
         if prior is None:
-            prior = hidden.new_zeros(batch, size)
-        global_feature = prior[:, None].expand(-1, num_pairs, -1).to(hidden.dtype)
+            prior = features.new_zeros(batch, size)
+        global_feature = prior[:, None].expand(-1, num_pairs, -1).to(features.dtype)
         has_images = media is not None and bool(media.mask.any())
         if has_images:
             image_inputs, dropped, global_feature = self.adapt_images(media, global_feature)
-        x = self.fc(torch.cat([embeds, self.img_fc(torch.cat([hidden, global_feature], dim=-1))], dim=-1))
+        x = self.fc(torch.cat([embeds, self.img_fc(torch.cat([features, global_feature], dim=-1))], dim=-1))
         if not has_images:
             return LayerInput(x, attention_mask, extra_state=global_feature)
         if cache is not None:

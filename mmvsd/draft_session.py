@@ -32,9 +32,9 @@ class DraftSession:
         batch, width = inputs.next_ids.shape
         device = inputs.next_ids.device
         depths, causal = sequence_block(batch, width, device)
-        hidden = self.drafter(
+        hidden = self.drafter.read_target(
             inputs.features.to(self.dtype), inputs.next_ids, self.cache.positions(depths),
-            self.cache.attention_mask(causal, self.dtype), self.cache, from_target=True, media=inputs.media,
+            self.cache.attention_mask(causal, self.dtype), self.cache, media=inputs.media,
         )
         rows = torch.arange(batch, device=device)
         self.last_hidden = hidden[rows, inputs.num_new - 1]
@@ -53,9 +53,9 @@ class DraftSession:
             1, parent_slots[:, :, None].expand(-1, -1, self.frontier_hidden.shape[-1])
         )
         depths = torch.full_like(token_ids, self.num_expanded)
-        hidden = self.drafter(
-            parent_hidden, token_ids, self.cache.positions(depths),
-            self.cache.attention_mask(block_mask, self.dtype), self.cache, from_target=False,
+        hidden = self.drafter.read_draft(
+            parent_hidden, token_ids, self.cache.positions(depths), self.cache.attention_mask(block_mask, self.dtype),
+            self.cache,
         )
         self.frontier_hidden = hidden
         self.num_expanded += 1

@@ -90,17 +90,23 @@ class Drafter(nn.Module):
     def check_media(self, num_spans: int) -> None:
         """Raise UserError if a sequence with `num_spans` media items is more than this drafter takes."""
 
-    def forward(
-        self, hidden: Tensor, token_ids: Tensor, positions: Tensor, attention_mask: Tensor, cache: RaggedCache,
-        from_target: bool, media: PairMedia | None = None,
+    def read_target(
+        self, features: Tensor, token_ids: Tensor, positions: Tensor, attention_mask: Tensor,
+        cache: RaggedCache | None, media: PairMedia | None = None,
     ) -> Tensor:
-        """Output hidden states [B, Q, H'] for Q pairs; appends their KV to `cache` as its block.
+        """Output hidden states [B, Q, H'] of Q committed pairs; appends their KV to `cache` as its block.
 
-        hidden [B, Q, F] target features if `from_target`, else [B, Q, H'] own hidden states;
-        token_ids [B, Q] target-vocab ids of the next tokens; positions [B, Q];
-        attention_mask [B, 1, Q, T] additive; media: what the next tokens are when they are media.
-        H' is the drafter's own state width (the tree builder and objectives never look inside).
+        features [B, Q, F] the target's (`target_features`); token_ids [B, Q] target-vocab ids of the
+        next tokens; positions [B, Q]; attention_mask [B, 1, Q, T] additive; media: what the next tokens
+        are when they are media. H' is the drafter's own state width (callers never look inside).
         """
+        raise NotImplementedError
+
+    def read_draft(
+        self, hidden: Tensor, token_ids: Tensor, positions: Tensor, attention_mask: Tensor, cache: RaggedCache | None,
+    ) -> Tensor:
+        """Output hidden states [B, Q, H'] of Q draft pairs inside a tree (or a training-time-test step):
+        their feature is the drafter's own output [B, Q, H'] at the parent; otherwise as `read_target`."""
         raise NotImplementedError
 
     def draft_logprobs(self, hidden: Tensor) -> Tensor:

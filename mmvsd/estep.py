@@ -168,8 +168,8 @@ def draft_pass(
     cache = drafter.new_cache(batch_size, device)
     depths, causal = sequence_block(batch_size, width, device)
     features, next_ids, media = draft_step0_inputs(drafter, batch)
-    step0 = drafter(features, next_ids, depths, cache.attention_mask(causal, dtype), cache, from_target=True,
-                    media=media)  # [B, T, H]
+    step0 = drafter.read_target(features, next_ids, depths, cache.attention_mask(causal, dtype), cache,
+                                media=media)  # [B, T, H]
     cache.keep(depths, tokens.lengths)
     hidden = _gather_positions(step0, anchors)[:, :, None].expand(-1, -1, slots, -1)  # [B, A, K, H]
     past_lens = (anchors + 1)[:, :, None].expand(-1, -1, slots).reshape(batch_size, -1)  # [B, A*K]
@@ -191,8 +191,8 @@ def draft_pass(
         block = _slot_mask(flat_ids.shape[1], depth + 1, device).expand(batch_size, -1, -1)
         mask = cache.attention_mask(block, dtype, past_lens)
         positions = cache.positions(torch.full_like(flat_ids, depth), past_lens)
-        hidden = drafter(hidden.reshape(batch_size, -1, hidden.shape[-1]), flat_ids, positions, mask, cache,
-                         from_target=False).reshape(batch_size, num_anchors, slots, -1)
+        hidden = drafter.read_draft(hidden.reshape(batch_size, -1, hidden.shape[-1]), flat_ids, positions, mask,
+                                    cache).reshape(batch_size, num_anchors, slots, -1)
     return DraftPass(torch.stack(proposals, -1), torch.stack(proposal_lps, -1), torch.stack(given_lps, -1), step0)
 
 

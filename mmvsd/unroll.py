@@ -39,13 +39,14 @@ def unroll_draft_steps(drafter: Drafter, features: Tensor, next_ids: Tensor, num
     causal = (anchors[None, :] <= anchors[:, None]).expand(batch, length, length)
     diagonal = torch.eye(length, dtype=torch.bool, device=device).expand(batch, length, length)
     outputs = []
-    hidden, from_target, block = features, True, causal
+    hidden, block = features, causal
     for step in range(num_steps):
         positions = (anchors + step).expand(batch, length)
         mask = cache.attention_mask(block, dtype)
-        hidden = drafter(hidden, shifted(next_ids, step), positions, mask, cache, from_target=from_target,
-                         media=media if step == 0 else None)
+        if step == 0:
+            hidden = drafter.read_target(hidden, next_ids, positions, mask, cache, media=media)
+        else:
+            hidden = drafter.read_draft(hidden, shifted(next_ids, step), positions, mask, cache)
         outputs.append(hidden)
-        from_target = False
         block = torch.cat([block, diagonal], dim=2)
     return outputs

@@ -120,8 +120,8 @@ def test_drafter_save_load_keeps_logits(tiny_target, tmp_path):
     mask = torch.zeros(1, 1, 5, 5).masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), -1e9)
     pos = torch.arange(5).expand(2, 5)
     with torch.no_grad():
-        a = drafter.draft_logits(drafter(features, ids, pos, mask, None, True))
-        b = loaded.draft_logits(loaded(features, ids, pos, mask, None, True))
+        a = drafter.draft_logits(drafter.read_target(features, ids, pos, mask, None))
+        b = loaded.draft_logits(loaded.read_target(features, ids, pos, mask, None))
     assert torch.equal(a, b)
     assert torch.equal(loaded.draft_to_target(torch.arange(64)), torch.arange(0, 128, 2))
     assert loaded.t2d.sum() == 64 and not (tmp_path / "d" / "embed_tokens.weight").exists()

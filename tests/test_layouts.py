@@ -49,8 +49,8 @@ def draft_logprobs(drafter: Eagle3Drafter, seed: int = 0) -> torch.Tensor:
     positions = torch.arange(5).expand(2, 5)
     mask = torch.full((5, 5), float("-inf")).triu(1)[None, None].expand(2, 1, 5, 5)  # [B, 1, Q, Q] causal
     with torch.no_grad():
-        hidden = drafter(features, token_ids, positions, mask, None, from_target=True)
-        hidden = drafter(hidden, token_ids, positions, mask, None, from_target=False)
+        hidden = drafter.read_target(features, token_ids, positions, mask, None)
+        hidden = drafter.read_draft(hidden, token_ids, positions, mask, None)
         return drafter.draft_logprobs(hidden)
 
 

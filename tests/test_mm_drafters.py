@@ -46,8 +46,8 @@ def step0(drafter, features, next_ids, media, cache=None):
     batch, width = next_ids.shape
     cache = cache or drafter.new_cache(batch, "cpu")
     depths, causal = sequence_block(batch, width, "cpu")
-    return drafter(features, next_ids, cache.positions(depths), cache.attention_mask(causal, torch.float32), cache,
-                   from_target=True, media=media), cache
+    return drafter.read_target(features, next_ids, cache.positions(depths), cache.attention_mask(causal, torch.float32),
+                               cache, media=media), cache
 
 
 def reference_vispec_row(drafter: ViSpecDrafter, features, next_ids, embeds, spans: list[tuple[int, int]]):

@@ -94,5 +94,9 @@ def test_arm_specs_and_bad_arguments(study):
                              "--budget-arm", "r", "--target", "t"])
     arms = [study.parse_arm(s) for s in args.arm]
     study.check_args(args, arms)
+    assert args.evaluate_budgets == ["steps", "wall"]
+    bad = study.parse_args(["--init", "x", "--evaluate-budgets", "wall,time"])
+    with pytest.raises(UserError, match="--evaluate-budgets takes steps, wall or both"):
+        study.check_args(bad, [study.parse_arm(s) for s in study.DEFAULT_ARMS])
     with pytest.raises(UserError, match="trains nothing"):  # every run's config is checked before training
         study.run_config(args, arms[1], 0, 5, Path("unused"))
