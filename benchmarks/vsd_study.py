@@ -378,15 +378,14 @@ def check_args(args: argparse.Namespace, arms: list[Arm]) -> None:
 def run_study(args: argparse.Namespace, target=None) -> list[dict]:
     """Train every run, evaluate them and the init drafter, write the reports; returns the summary rows."""
     from mmvsd.targets import load_target
+    from mmvsd.trainer import TARGET_DTYPES
 
     arms = [parse_arm(spec) for spec in (args.arm or DEFAULT_ARMS)]
     check_args(args, arms)
-    from mmvsd.trainer import TARGET_DTYPES
-
-    for arm in arms:  # every run's config is valid before any training starts
-        config = run_config(args, arm, 0, args.steps, Path(args.out) / "runs" / "check")
+    # every run's config is valid before any training starts
+    configs = [run_config(args, arm, 0, args.steps, Path(args.out) / "runs" / "check") for arm in arms]
     target = target if target is not None else load_target(args.target)  # evaluation: fp32 unless given
-    train_dtype = TARGET_DTYPES[config.target_dtype]  # training: the config's (bf16 features are ~3x faster here)
+    train_dtype = TARGET_DTYPES[configs[0].target_dtype]  # training: the config's (bf16 features are ~3x faster here)
     train_target = target if target.dtype == train_dtype else load_target(args.target, dtype=train_dtype)
     runs = [run for run in train_all(args, train_target, arms) if run["budget"] in args.evaluate_budgets]
     specs = [s for s in args.eval_prompts.split(",") if s]

@@ -23,15 +23,16 @@ Stopping early: an answer whose prompt would not fit the context window (prompt 
 training run truncates there, so later answers would be generated only to be cut off; for the same
 reason an answer is generated only up to that length, plus a margin), or an empty answer, ends the
 conversation after its last regenerated assistant turn; a conversation left without an assistant turn
-is dropped. Assistant turns before the first user turn (greetings) are dropped. Conversations with an image are refused: `vanilla_generate`
-has no image input yet, and answers written without seeing the image would not be on-policy.
+is dropped. Assistant turns before the first user turn (greetings) are dropped. Conversations with an
+image are refused: `vanilla_generate` has no image input yet, and answers written without seeing the
+image would not be on-policy.
 
 Cache (resume): a JSON Lines file, one line per finished conversation,
 `{"key": {target, temperature, max_new_tokens, max_prompt_tokens, seed}, "conv_id", "source", "status",
-"turns": [{"role", "text"}, ...], "image"}`, where `source` is a digest of the input conversation (so duplicate ids or an
-edited dataset never pick up a wrong entry) and `status` is complete / too_long / empty_answer. Lines
-are appended and flushed one by one, so an interrupted run loses only the conversations in flight;
-an incomplete last line (killed mid-write) is cut off on the next start.
+"turns": [{"role", "text"}, ...], "image"}`, where `source` is a digest of the input conversation (so
+duplicate ids or an edited dataset never pick up a wrong entry) and `status` is complete / too_long /
+empty_answer. Lines are appended and flushed one by one, so an interrupted run loses only the
+conversations in flight; an incomplete last line (killed mid-write) is cut off on the next start.
 """
 
 from __future__ import annotations

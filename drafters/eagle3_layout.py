@@ -305,8 +305,6 @@ def check_state(state: dict[str, Tensor], drafter: Eagle3Drafter, path: Path) ->
         raise UserError(f"EAGLE-3 weights in {path} do not match the layout: " + " | ".join(problems))
 
 
-
-
 SPECULATORS_VERSION = "0.9.0"
 SPECULATORS_UNSUPPORTED = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 

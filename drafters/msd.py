@@ -31,7 +31,7 @@ class MSDDrafter(Eagle1Drafter):
         self, features: Tensor, token_ids: Tensor, attention_mask: Tensor, cache: RaggedCache | None,
         media: PairMedia | None,
     ) -> LayerInput:
-        entry = self.draft_input(features, token_ids, attention_mask)
+        entry = self.draft_input(features, token_ids, attention_mask)  # one fc reads target features and own states
         if media is not None:
             entry.x = torch.where(media.mask[..., None], media.embeds.to(entry.x.dtype), entry.x)
         return entry

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from mmvsd.errors import UserError
-from mmvsd.eval.bench_item import BenchItem
 from mmvsd.eval import LONG_SUFFIX, MINI_TASKS, mini_task_dir
+from mmvsd.eval.bench_item import BenchItem
 
 REAL_TASKS = tuple(name.removesuffix("_mini") for name in MINI_TASKS)  # vqav2_val, ai2d, chartqa, ...
 MINI_NAMES = tuple(MINI_TASKS) + tuple(name + LONG_SUFFIX for name in MINI_TASKS)
@@ -110,7 +110,6 @@ def task_docs(name: str):
 
 def task_items(name: str, limit: int = 0) -> list:
     """BenchItems of an lmms-eval task: the prompt text (image marker removed) and the PIL images."""
-
     task = load_task(name)
     docs = task_docs(name)
     items = []

@@ -28,8 +28,8 @@ from torch import Tensor
 
 from mmvsd.adapter import padded_embeds, span_ids
 from mmvsd.decode import DecodeConfig, PromptLike, as_prompts, vanilla_generate
-from mmvsd.drafter import Drafter, DraftInputs, PairMedia
 from mmvsd.draft_session import DraftSession
+from mmvsd.drafter import Drafter, DraftInputs, PairMedia
 from mmvsd.errors import UserError
 from mmvsd.features import TokenBatch, capture_features
 from mmvsd.files import atomic_file, cache_root

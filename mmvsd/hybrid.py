@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mmvsd.drafter import Drafter, DraftInputs
 from mmvsd.draft_session import DraftSession
+from mmvsd.drafter import Drafter, DraftInputs
 from mmvsd.ngram import NEG_INF, NgramConfig, NgramDrafter, NgramSession
 
 

@@ -28,11 +28,12 @@ class NotThisLayout(UserError):
 
     def __init__(self, message: str, config: dict, keys: set[str], looks_like: str = "") -> None:
         super().__init__(message)
-        self.message, self.config, self.keys, self.looks_like = message, config, keys, looks_like
+        self.config, self.keys, self.looks_like = config, keys, looks_like
 
 
 class Layout:
-    """One way of storing a drafter architecture on disk; subclasses register an instance."""
+    """One way of storing a drafter architecture on disk; the registry (`mmvsd.layouts`) holds one instance
+    of each subclass."""
 
     name: ClassVar[str] = ""
     drafter_type: ClassVar[str] = ""  # our drafter architecture it holds ("" for any of ours)

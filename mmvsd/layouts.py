@@ -82,8 +82,8 @@ def load_with(chosen: Layout, path: Path, target: Target) -> Drafter:
     except NotThisLayout as err:
         other = identify_layout(err.config, err.keys, exclude=(chosen.name,))
         if other is not None:
-            raise UserError(f"{err.message}; it looks like the {other!r} layout (use --init {other}:PATH)") from None
-        raise UserError(f"{err.message}; it looks like {err.looks_like}" if err.looks_like else err.message) from None
+            raise UserError(f"{err}; it looks like the {other!r} layout (use --init {other}:PATH)") from None
+        raise UserError(f"{err}; it looks like {err.looks_like}" if err.looks_like else str(err)) from None
 
 
 def folder_layout(path: Path) -> Layout:
