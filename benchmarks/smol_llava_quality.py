@@ -4,11 +4,14 @@ with the trained adapters merged) without it: the baseline knows the one-word an
 scores what guessing from the question alone gives.
 
 Kinds: colour and shape (which shape is on a side) and count on shape scenes, chart value (the value
-of a named bar, point or slice), word (text on signs, plaques, jerseys and tags). Greedy decoding,
+of a named bar, point or slice), word (text on signs, plaques, jerseys and tags), plain colour (the
+colour of one large shape on a plain background, asked "What color is the shape?"), and easy-vqa: a
+fixed seeded sample of the easy-vqa test questions (real held-out data; also split into colour, shape
+and yes/no questions, with the majority-answer rate beside them). Greedy decoding,
 the short-answer instruction the projector was trained with; an answer is right when lmms-eval's
 VQA answer normalisation of the reply equals the reference or starts with it.
 
-    python benchmarks/smol_llava_quality.py [--projector DIR] [--per-kind 40]
+    python benchmarks/smol_llava_quality.py [--projector DIR] [--per-kind 40] [--easy-vqa 2000]
 
 Writes benchmarks/results/smol_llava_quality.json (or --out).
 """
@@ -17,15 +20,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
-from lmms_eval.tasks._task_utils.vqa_eval_metric import EvalAIAnswerProcessor
 from tqdm.auto import tqdm
 
+from mmvsd.data import easy_vqa
+from mmvsd.data.image_families import CANVAS_SIZE, SHAPE_COLORS, SHAPE_KINDS, draw_shape, light_color, new_canvas
 from mmvsd.data.images import ImageItem, generate_item
-from mmvsd.lab.projector_training import user_text
+from mmvsd.lab.efficientnet import IMAGE_SIZE
+from mmvsd.lab.short_answers import is_right, short_answers
 from mmvsd.lab.smol_llava import (
     SHIPPED_PROJECTOR_DIR,
     install_projector,
@@ -35,8 +42,9 @@ from mmvsd.lab.smol_llava import (
     read_manifest,
 )
 
-KINDS = ("colour", "shape", "count", "chart value", "word")
-NORMALISE = EvalAIAnswerProcessor()
+OWN_KINDS = ("colour", "shape", "count", "chart value", "word")  # "all": the project's own quality benchmark
+KINDS = (*OWN_KINDS, "plain colour")  # per-kind items each
+EASY_VQA_KINDS = ("easy-vqa colour", "easy-vqa shape", "easy-vqa yes/no")
 
 
 def question_kind(item: ImageItem) -> str | None:
@@ -62,55 +70,89 @@ def held_out_items(per_kind: int, seed: int = 0) -> list[tuple[str, ImageItem]]:
             if kind and len(picked[kind]) < per_kind:
                 picked[kind].append(item)
             index += 1
+    picked["plain colour"] = plain_colour_items(per_kind, seed)
     return [(kind, item) for kind in KINDS for item in picked[kind]]
 
 
-def is_right(reply: str, answer: str) -> bool:
-    """Normalised reply equals the reference, or starts with it as whole words."""
-    got = NORMALISE(reply.strip().split("\n")[0]).split()
-    want = NORMALISE(answer).split()
-    return got[:len(want)] == want
+def plain_colour_items(count: int, seed: int = 0) -> list[ImageItem]:
+    """One large shape (40-70% of the width, near the middle) of each colour in turn on a white, grey or pale
+    background: what a new user tries first."""
+    rng = random.Random(f"plain-colour-{seed}")
+    items = []
+    for index in range(count):
+        color = list(SHAPE_COLORS)[index % len(SHAPE_COLORS)]
+        background = rng.choice([[255, 255, 255], [200, 200, 200], light_color(rng)])
+        image, draw = new_canvas(background)
+        size = rng.uniform(0.4, 0.7) * CANVAS_SIZE
+        x, y = (CANVAS_SIZE / 2 + rng.uniform(-0.1, 0.1) * CANVAS_SIZE for _ in range(2))
+        draw_shape(draw, rng.choice(SHAPE_KINDS), x, y, size, SHAPE_COLORS[color])
+        items.append(ImageItem(image=image, question="What color is the shape?", answer=color, long_prompt="",
+                               family="plain", split="test", item_id=f"plain-colour-{index:03d}", options=(),
+                               meta={"background": background}, description=""))
+    return items
 
 
-@torch.no_grad()
-def answer(model, processor, item: ImageItem, with_image: bool) -> str:
-    parts = [{"type": "text", "text": user_text(item.question)}]
-    if with_image:
-        parts.insert(0, {"type": "image"})
-    text = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
-    inputs = processor(images=item.image if with_image else None, text=text, return_tensors="pt")
-    output = model.generate(**inputs, max_new_tokens=10, do_sample=False)
-    return processor.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+def easy_vqa_kind(question: easy_vqa.EasyVqaQuestion) -> str:
+    if question.answer in easy_vqa.COLORS:
+        return EASY_VQA_KINDS[0]
+    return EASY_VQA_KINDS[1] if question.answer in easy_vqa.SHAPES else EASY_VQA_KINDS[2]
+
+
+def easy_vqa_test_items(count: int, seed: int = 0) -> tuple[list[tuple[str, ImageItem]], int, float]:
+    """(a seeded sample of `count` easy-vqa test questions (0: all) as (kind, item), images upsampled to the
+    tower's input size; unreadable images skipped; the majority answer's share of the sample)."""
+    data = easy_vqa.read_split("test")
+    questions = list(data.questions)
+    if count:
+        questions = random.Random(seed).sample(questions, min(count, len(questions)))
+    images, skipped = easy_vqa.load_images(data, sorted({q.image_id for q in questions}), IMAGE_SIZE)
+    questions = [q for q in questions if q.image_id in images]
+    items = [(easy_vqa_kind(q), ImageItem(image=images[q.image_id], question=q.question, answer=q.answer,
+                                          long_prompt="", family="easy-vqa", split="test",
+                                          item_id=f"easy-vqa-test-{q.image_id:05d}", options=(), meta={},
+                                          description="")) for q in questions]
+    majority = Counter(q.answer for q in questions).most_common(1)[0][1] / max(1, len(questions))
+    return items, len(skipped), majority
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--projector", type=Path, help="projector folder (default: the one --target smol-llava uses)")
     parser.add_argument("--per-kind", type=int, default=40)
+    parser.add_argument("--easy-vqa", type=int, default=2000,
+                        help="easy-vqa test questions, a fixed seeded sample (default 2000; 0: all 9,673)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "smol_llava_quality.json")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     model, processor = new_smol_llava()
     folder = args.projector or projector_dir()
     install_projector(model, load_projector(folder, model.config.text_config.hidden_size))
-    items = held_out_items(args.per_kind)
+    easy_items, skipped, majority = easy_vqa_test_items(args.easy_vqa)
+    items = held_out_items(args.per_kind) + easy_items
     rows, started = [], time.monotonic()
-    for kind, item in tqdm(items, desc="questions"):
-        replies = {mode: answer(model, processor, item, mode == "image") for mode in ("image", "no image")}
+    replies = {mode: short_answers(model, processor, [(item.image if mode == "image" else None, item.question)
+                                                      for _, item in items])
+               for mode in tqdm(("image", "no image"), desc="answering")}
+    for number, (kind, item) in enumerate(items):
         rows.append({"kind": kind, "item_id": item.item_id, "question": item.question, "answer": item.answer,
-                     **{f"{mode} reply": reply for mode, reply in replies.items()},
-                     **{f"{mode} right": is_right(reply, item.answer) for mode, reply in replies.items()}})
+                     **{f"{mode} reply": replies[mode][number] for mode in replies},
+                     **{f"{mode} right": is_right(replies[mode][number], item.answer) for mode in replies}})
     summary = {}
-    for kind in (*KINDS, "all"):
-        chosen = [r for r in rows if kind in ("all", r["kind"])]
-        summary[kind] = {"n": len(chosen), **{mode: round(sum(r[f"{mode} right"] for r in chosen) / len(chosen), 3)
+    groups = {kind: [r for r in rows if r["kind"] == kind] for kind in (*KINDS, *EASY_VQA_KINDS)}
+    groups["all"] = [r for r in rows if r["kind"] in OWN_KINDS]
+    groups["easy-vqa"] = [r for r in rows if r["kind"] in EASY_VQA_KINDS]
+    for kind, chosen in groups.items():
+        summary[kind] = {"n": len(chosen), **{mode: round(sum(r[f"{mode} right"] for r in chosen) / max(1, len(chosen)), 3)
                                               for mode in ("image", "no image")}}
-    print(f"{'kind':<12} {'n':>4} {'image':>7} {'no image':>9}")
+    print(f"{'kind':<16} {'n':>5} {'image':>7} {'no image':>9}")
     for kind, s in summary.items():
-        print(f"{kind:<12} {s['n']:>4} {s['image']:>7.1%} {s['no image']:>9.1%}")
+        print(f"{kind:<16} {s['n']:>5} {s['image']:>7.1%} {s['no image']:>9.1%}")
+    print(f"easy-vqa: majority answer {majority:.1%} of the sample; {skipped} unreadable images skipped")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     projector = {"sha256": read_manifest(folder)["sha256"], "shipped": folder == SHIPPED_PROJECTOR_DIR}
-    args.out.write_text(json.dumps({"projector": projector, "summary": summary, "minutes":
+    easy = {"questions": len(easy_items), "sample_seed": 0, "majority_answer_rate": round(majority, 3),
+            "unreadable_images_skipped": skipped}
+    args.out.write_text(json.dumps({"projector": projector, "summary": summary, "easy_vqa": easy, "minutes":
                                     round((time.monotonic() - started) / 60, 1), "rows": rows}, indent=1) + "\n")
     print(f"wrote {args.out}")
 

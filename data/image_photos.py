@@ -67,10 +67,10 @@ def photo_path(name: str) -> Path:
         raise UserError(f"unknown sample photo {name!r}; choose one of {', '.join(PHOTOS)}")
     file_name, package, _, _ = PHOTOS[name]
     if package == "skimage":
-        import skimage
+        import skimage  # a large package read here only for its bundled photo files: the photo items alone need it
 
         return Path(skimage.__file__).parent / "data" / file_name
-    import matplotlib
+    import matplotlib  # slow to import (~0.3 s): only its data folder is needed
 
     return Path(matplotlib.get_data_path()) / "sample_data" / file_name
 

@@ -42,6 +42,7 @@ from mmvsd.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from mmvsd.errors import UserError
 from mmvsd.layout import Layout, NotThisLayout, load_checked_state
 from mmvsd.target import default_aux_layer_ids
+from mmvsd.targets import resolve_target_folder
 
 logger = logging.getLogger(__name__)
 
@@ -383,8 +384,6 @@ def speculators_config(config: Eagle3Config, dtype: torch.dtype, target) -> dict
 
 def verifier_folder(target) -> str:
     """Where speculators finds the verifier's config: the target's HF folder (its name if none is known)."""
-    from mmvsd.targets import resolve_target_folder
-
     try:
         return str(resolve_target_folder(target.name).resolve())
     except UserError:

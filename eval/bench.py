@@ -29,14 +29,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from mmvsd.adapter import Prompt
+from mmvsd.adapters import choose_adapter
 from mmvsd.baselines import hf_generate
 from mmvsd.decode import DecodeConfig, SequenceResult, speculative_generate, vanilla_generate
 from mmvsd.drafter_spec import drafter_from_spec
 from mmvsd.errors import UserError
 from mmvsd.eval.bench_config import BenchConfig, tree_shape
 from mmvsd.eval.bench_item import BenchItem
+from mmvsd.eval.report import write_reports
 from mmvsd.eval.suites import (
     benchmark,
     is_multimodal,
@@ -48,6 +51,7 @@ from mmvsd.eval.suites import (
 from mmvsd.shape_policy import AcceptanceStats
 from mmvsd.shipped import default_drafter
 from mmvsd.target import Target
+from mmvsd.targets import load_target
 
 RECORDS = "records.jsonl"
 PLD_TOKENS = 10
@@ -133,8 +137,6 @@ class TreeGenerate:
 
 
 def load_assistant(spec: str, target: Target):
-    from mmvsd.targets import load_target
-
     assistant = load_target(spec)
     if assistant.vocab_size != target.vocab_size:
         raise UserError(f"--assistant {spec!r} has a vocabulary of {assistant.vocab_size}, the target "
@@ -220,8 +222,6 @@ class MediaWriter:
         self.adapter = None
 
     def files(self, target: Target, item: BenchItem):
-        from mmvsd.adapters import choose_adapter
-
         if self.adapter is None:
             self.adapter = choose_adapter(target, self.adapter_name, "image")
         paths = []
@@ -344,10 +344,6 @@ def warm_up(methods: list[Method], target: Target, item: BenchItem, config: Benc
 def run_bench(config: BenchConfig, target: Target | None = None, resume: bool = False,
               progress: bool = True) -> Path:
     """Run (or resume) a benchmark and write its records and reports to `config.out`."""
-    from tqdm import tqdm
-
-    from mmvsd.eval.report import write_reports
-
     config.validate()
     out_dir = Path(config.out)
     check_out_dir(out_dir, config, resume)
@@ -355,8 +351,6 @@ def run_bench(config: BenchConfig, target: Target | None = None, resume: bool = 
     for note in filter(None, map(synthetic_note, names)):
         print(f"mmvsd: note: {note}", file=sys.stderr)
     if target is None:
-        from mmvsd.targets import load_target
-
         target = load_target(config.target_name())
     methods = sorted(build_methods(config, target), key=lambda m: m.name != "vanilla")
     out_dir.mkdir(parents=True, exist_ok=True)

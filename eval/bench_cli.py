@@ -70,7 +70,7 @@ def run_bench_command(args: argparse.Namespace) -> None:
                          temperatures=args.temperature, limit=args.limit, batch_size=args.batch_size,
                          max_new_tokens=args.max_new_tokens, trees=trees, assistant=args.assistant,
                          adapter=args.adapter, seed=args.seed, out=args.out)
-    from mmvsd.eval.bench import run_bench
+    from mmvsd.eval.bench import run_bench  # CLI start-up: torch and the decoders only when a bench runs
 
     out = run_bench(config, resume=args.resume, progress=not args.no_progress)
     print((out / "table.md").read_text())

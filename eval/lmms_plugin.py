@@ -48,7 +48,11 @@ from PIL import Image
 from tqdm import tqdm
 
 from mmvsd.adapter import ModalityAdapter, Prompt
+from mmvsd.adapters import choose_adapter
 from mmvsd.errors import UserError
+from mmvsd.eval.bench_config import fixed_tree_spec, tree_shape
+from mmvsd.files import atomic_file
+from mmvsd.shipped import default_drafter
 
 if TYPE_CHECKING:
     from lmms_eval.models.registry_v2 import ModelManifest
@@ -67,7 +71,7 @@ def lmms_manifests() -> list[ModelManifest]:
     A callable, not a module constant: importing `lmms_eval.models` scans the entry points, so a
     module-level import of it here would re-enter this module half-initialised when it is imported first.
     """
-    from lmms_eval.models.registry_v2 import ModelManifest
+    from lmms_eval.models.registry_v2 import ModelManifest  # import cycle: lmms_eval.models loads this entry point
 
     return [ModelManifest(model_id=MODEL_NAME, simple_class_path=f"{__name__}.{MmvsdLmms.__name__}")]
 
@@ -142,11 +146,9 @@ class MmvsdLmms(lmms):
                             f"sample): use batch_size 1, not {batch_size}")
         if dtype not in DTYPES:
             raise UserError(f"unknown dtype {dtype!r}; choose {', '.join(DTYPES)}")
-        from mmvsd.drafter_spec import drafter_from_spec
-        from mmvsd.eval.bench import TreeGenerate
-        from mmvsd.eval.bench_config import fixed_tree_spec, tree_shape
-        from mmvsd.shipped import default_drafter
-        from mmvsd.targets import load_target
+        from mmvsd.drafter_spec import drafter_from_spec  # transformers-backed: see the module docstring
+        from mmvsd.eval.bench import TreeGenerate  # likewise
+        from mmvsd.targets import load_target  # likewise
 
         self.temperature = float(temperature)
         self.max_new_tokens = int(max_new_tokens)
@@ -172,8 +174,6 @@ class MmvsdLmms(lmms):
     def image_adapter(self) -> ModalityAdapter:
         """The adapter that turns text + image files into prompts (chosen once, on first use)."""
         if self._image_adapter is None:
-            from mmvsd.adapters import choose_adapter
-
             self._image_adapter = choose_adapter(self.target, self.adapter_name, "image")
         return self._image_adapter
 
@@ -196,7 +196,7 @@ class MmvsdLmms(lmms):
 
     def decode_config(self, gen_kwargs: dict[str, Any]) -> DecodeConfig:
         """mmvsd's DecodeConfig for one request: the task's kwargs where given, else the model_args."""
-        from mmvsd.decode import DecodeConfig
+        from mmvsd.decode import DecodeConfig  # transformers-backed: see the module docstring
 
         for key, no_op_values in UNSUPPORTED_GEN_KWARGS.items():
             if gen_kwargs.get(key) not in no_op_values and key not in self._warned_keys:
@@ -209,7 +209,7 @@ class MmvsdLmms(lmms):
 
     def generate_one(self, prompt: Prompt, gen_kwargs: dict[str, Any]) -> SequenceResult:
         """Decode one prompt with the drafter (speculative) or without one (autoregressive)."""
-        from mmvsd.decode import vanilla_generate
+        from mmvsd.decode import vanilla_generate  # transformers-backed: see the module docstring
 
         config = self.decode_config(gen_kwargs)
         if self.drafter is None:
@@ -237,8 +237,6 @@ class MmvsdLmms(lmms):
         """Rewrite the records file (when model_args give one) with every record so far."""
         if self.records_path is None:
             return
-        from mmvsd.files import atomic_file
-
         with atomic_file(self.records_path) as handle:
             handle.writelines(json.dumps(record) + "\n" for record in self.records)
 

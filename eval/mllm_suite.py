@@ -17,6 +17,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+from mmvsd.checkpoints import hf_hub_cache
 from mmvsd.errors import UserError
 from mmvsd.eval import LONG_SUFFIX, MINI_TASKS, mini_task_dir
 from mmvsd.eval.bench_item import BenchItem
@@ -44,7 +45,7 @@ def _offline() -> Iterator[None]:
 
 @functools.cache
 def _task_manager():
-    from lmms_eval.tasks import TaskManager
+    from lmms_eval.tasks import TaskManager  # heavy (lmms-eval, datasets): only the mllm benchmarks need it
 
     return TaskManager(include_path=str(mini_task_dir()))
 
@@ -52,7 +53,7 @@ def _task_manager():
 @functools.cache
 def load_task(name: str):
     """The lmms-eval task object (its dataset loaded offline); UserError if that is impossible."""
-    from lmms_eval.tasks import get_task_dict
+    from lmms_eval.tasks import get_task_dict  # heavy (lmms-eval, datasets): only the mllm benchmarks need it
 
     try:
         with _offline():
@@ -68,10 +69,8 @@ def load_task(name: str):
 def _dataset_on_disk(name: str) -> bool:
     """Whether the task's dataset is here: a local file builder or folder, or in the HF hub cache. Only
     'not cached' answers False; any other failure of the cache lookup is an error."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-
-    from mmvsd.checkpoints import hf_hub_cache
+    from huggingface_hub import snapshot_download  # heavy (~0.2 s): only a real task's dataset is looked up
+    from huggingface_hub.errors import LocalEntryNotFoundError  # likewise
 
     path = str(_task_manager()._get_config(name).get("dataset_path", ""))
     if path in LOCAL_BUILDERS or Path(path).expanduser().exists():

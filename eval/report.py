@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import platform
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 AVERAGE = "average"
@@ -237,9 +239,7 @@ def _note(row: Row) -> str:
 
 def environment() -> dict:
     """Package versions and the machine, saved with every result."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    import torch
+    import torch  # heavy (~2 s): only for the GPU's name; the reports themselves need no torch
 
     versions = {"python": platform.python_version()}
     for package in ("mmvsd", "torch", "transformers", "accelerate", "lmms_eval"):
@@ -253,8 +253,6 @@ def environment() -> dict:
 
 
 def _cpu_count() -> int:
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -279,10 +277,10 @@ def write_reports(out_dir: Path, config: dict, records: list, methods: list[str]
 
 def plot_results(rows: list[Row], methods: list[str], out_dir: Path) -> None:
     """tau.png (per benchmark per method), sr.png (SR bars), acceptance.png (accept-length histograms)."""
-    import matplotlib
+    import matplotlib  # plotting only, and slow to import (~0.3 s): the table and JSON do without it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # likewise; after use("Agg"), which picks a headless backend first
 
     for temperature in sorted({r.temperature for r in rows}):
         block = [r for r in rows if r.temperature == temperature]

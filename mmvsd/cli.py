@@ -6,10 +6,14 @@ import argparse
 import json
 import os
 import sys
+import time
+from pathlib import Path
 
 from mmvsd.errors import UserError
 from mmvsd.eval.bench_cli import add_bench_parser, run_bench_command
 from mmvsd.export import add_export_parser, run_export
+from mmvsd.files import atomic_file
+from mmvsd.prompts import read_prompt_file
 
 
 def _positive_int(text: str) -> int:
@@ -32,7 +36,7 @@ def add_tree_arguments(p: argparse.ArgumentParser, default: str) -> None:
 
 def tree_from_args(args: argparse.Namespace):
     """The TreeShape or "auto" the tree flags name (UserError on a malformed or contradictory one)."""
-    from mmvsd.tree import TreeShape
+    from mmvsd.tree import TreeShape  # CLI start-up: loaded per command
 
     parts = (args.tree_budget, args.tree_depth, args.tree_topk)
     if args.tree is not None and any(v is not None for v in parts):
@@ -156,9 +160,13 @@ def _add_lab(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--minutes", type=float, default=28.0, help="time budget of the whole build (default 28)")
     b.add_argument("--max-steps", type=int, default=0, help="stop after N steps instead of at the time budget")
     b.add_argument("--num-images", type=_positive_int, default=2400, help="generated training images (default 2400)")
+    b.add_argument("--easy-vqa-images", type=int, default=4000,
+                   help="easy-vqa train images among the training conversations (default 4000, all; 0: none)")
     b.add_argument("--align-steps", type=int, default=800, help="steps of the first stage (per-patch word targets)")
     b.add_argument("--lora-rank", type=int, default=8,
                    help="rank of the language model's low-rank adapters trained in the second stage (0: projector only)")
+    b.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="second-stage compute type (auto: bf16 where this CPU measures it faster)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--output", help="projector folder (default: the mmvsd cache, which --target smol-llava uses)")
 
@@ -181,14 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run_generate(args: argparse.Namespace) -> None:
     """`mmvsd generate`: load target and drafter, decode in batches, print and save the results."""
-    import torch
+    import torch  # CLI start-up: loaded per command
 
-    from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate
-    from mmvsd.drafter_spec import check_ngram_options, drafter_from_spec
-    from mmvsd.prompts import read_prompt_file
-    from mmvsd.shape_policy import AcceptanceStats
-    from mmvsd.shipped import implicit_drafter_spec
-    from mmvsd.targets import load_target
+    from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate  # CLI start-up: loaded per command
+    from mmvsd.drafter_spec import check_ngram_options, drafter_from_spec  # CLI start-up: loaded per command
+    from mmvsd.shape_policy import AcceptanceStats  # CLI start-up: loaded per command
+    from mmvsd.shipped import implicit_drafter_spec  # CLI start-up: loaded per command
+    from mmvsd.targets import load_target  # CLI start-up: loaded per command
 
     texts = read_prompt_file(args.prompt_file) if args.prompt_file else [args.prompt]
     if any(not t.strip() for t in texts):
@@ -227,8 +234,6 @@ def run_generate(args: argparse.Namespace) -> None:
             records.append(record)
             _print_record(len(records), record)
     if args.json:
-        from mmvsd.files import atomic_file
-
         with atomic_file(args.json) as handle:
             json.dump({"target": args.target, "drafter": args.drafter, "results": records}, handle, indent=2)
 
@@ -243,9 +248,7 @@ def size_histogram(tree_sizes: list[int]) -> dict[str, int]:
 
 def _encode_prompts(target, texts: list[str], args: argparse.Namespace) -> list:
     """Prompts through the chosen modality adapter (plain chat-template ids when there is no media)."""
-    from pathlib import Path
-
-    from mmvsd.adapters import choose_adapter
+    from mmvsd.adapters import choose_adapter  # CLI start-up: loaded per command
 
     if not args.image and not args.adapter:
         return [target.encode_prompt(t) for t in texts]
@@ -255,14 +258,12 @@ def _encode_prompts(target, texts: list[str], args: argparse.Namespace) -> list:
 
 def run_eval_drafter(args: argparse.Namespace) -> None:
     """`mmvsd eval-drafter`: greedy continuations (cached), then the replayed acceptance report."""
-    import time
-
-    from mmvsd import evaluate
-    from mmvsd.drafter import Drafter
-    from mmvsd.drafter_spec import drafter_from_spec
-    from mmvsd.shipped import implicit_drafter_spec
-    from mmvsd.targets import load_target
-    from mmvsd.tree import TreeShape
+    from mmvsd import evaluate  # CLI start-up: loaded per command
+    from mmvsd.drafter import Drafter  # CLI start-up: loaded per command
+    from mmvsd.drafter_spec import drafter_from_spec  # CLI start-up: loaded per command
+    from mmvsd.shipped import implicit_drafter_spec  # CLI start-up: loaded per command
+    from mmvsd.targets import load_target  # CLI start-up: loaded per command
+    from mmvsd.tree import TreeShape  # CLI start-up: loaded per command
 
     shape = tree_from_args(args)
     texts = evaluate.load_eval_texts(args.prompt_file, args.limit)
@@ -272,8 +273,8 @@ def run_eval_drafter(args: argparse.Namespace) -> None:
     target = load_target(args.target)
     drafter = drafter_from_spec(spec, target, args.seed, ngram=None if args.ngram is None else args.ngram == "on")
     if shape == "auto":  # the trees auto plans from this machine's costs; its speed guard's plain steps are not replayed
-        from mmvsd.costs import load_cost_table
-        from mmvsd.shape_policy import AcceptanceStats, AutoShape
+        from mmvsd.costs import load_cost_table  # CLI start-up: loaded per command
+        from mmvsd.shape_policy import AcceptanceStats, AutoShape  # CLI start-up: loaded per command
 
         shape = AutoShape(load_cost_table(target, drafter, batch_sizes=(1,)), AcceptanceStats())
     prompts = [target.encode_prompt(text) for text in texts]
@@ -287,8 +288,6 @@ def run_eval_drafter(args: argparse.Namespace) -> None:
     report = evaluate.evaluate_acceptance(target, drafter, prompts, continuations, shape, batch_size, progress=True)
     print(evaluate.format_report(report))
     if args.json:
-        from mmvsd.files import atomic_file
-
         with atomic_file(args.json) as handle:
             json.dump({"target": args.target, "drafter": spec, "prompt_file": args.prompt_file, "limit": args.limit,
                        "max_new_tokens": args.max_new_tokens, **report.to_dict()}, handle, indent=2)
@@ -296,14 +295,14 @@ def run_eval_drafter(args: argparse.Namespace) -> None:
 
 def run_drafters(args: argparse.Namespace) -> None:
     """`mmvsd drafters list`."""
-    from mmvsd.shipped import format_shipped
+    from mmvsd.shipped import format_shipped  # CLI start-up: loaded per command
 
     print(format_shipped())
 
 
 def run_adapters(args: argparse.Namespace) -> None:
     """`mmvsd adapters list`."""
-    from mmvsd.adapters import registered_adapters
+    from mmvsd.adapters import registered_adapters  # CLI start-up: loaded per command
 
     for name, source in registered_adapters().items():
         print(f"{name:<16} {source}")
@@ -311,9 +310,15 @@ def run_adapters(args: argparse.Namespace) -> None:
 
 def run_profile(args: argparse.Namespace) -> None:
     """`mmvsd profile`: load (measuring once) the cost table, print it, optionally plot it."""
-    from mmvsd.costs import cost_key, cost_table_path, format_cost_table, load_cost_table, plot_cost_table
-    from mmvsd.drafter_spec import drafter_from_spec
-    from mmvsd.targets import load_target
+    from mmvsd.costs import (  # CLI start-up: loaded per command
+        cost_key,
+        cost_table_path,
+        format_cost_table,
+        load_cost_table,
+        plot_cost_table,
+    )
+    from mmvsd.drafter_spec import drafter_from_spec  # CLI start-up: loaded per command
+    from mmvsd.targets import load_target  # CLI start-up: loaded per command
 
     if args.plot and not args.plot.lower().endswith(".png"):
         raise UserError(f"--plot must name a .png file, got {args.plot!r}")
@@ -338,8 +343,8 @@ def _print_record(number: int, record: dict) -> None:
 
 def run_train(args: argparse.Namespace) -> None:
     """`mmvsd train`: resolve the config, train, and say where the drafter is."""
-    from mmvsd.train_config import load_train_config
-    from mmvsd.trainer import train
+    from mmvsd.train_config import load_train_config  # CLI start-up: loaded per command
+    from mmvsd.trainer import train  # CLI start-up: loaded per command
 
     flags = {k: getattr(args, k) for k in ("target", "drafter", "init", "objective", "data", "output")}
     config = load_train_config(args.config, flags, args.overrides)
@@ -350,8 +355,8 @@ def run_train(args: argparse.Namespace) -> None:
 
 def run_prepare(args: argparse.Namespace) -> None:
     """`mmvsd prepare`: write the offline feature cache of a run's training examples."""
-    from mmvsd.prepare import prepare_feature_cache
-    from mmvsd.train_config import load_train_config
+    from mmvsd.prepare import prepare_feature_cache  # CLI start-up: loaded per command
+    from mmvsd.train_config import load_train_config  # CLI start-up: loaded per command
 
     flags = {"target": args.target, "data": args.data, "output": args.output, "features": "offline",
              "feature_cache": args.output}
@@ -361,15 +366,14 @@ def run_prepare(args: argparse.Namespace) -> None:
 
 def run_lab(args: argparse.Namespace) -> None:
     """`mmvsd lab build-target smol-llava`: train the projector and say where it went."""
-    from pathlib import Path
+    from mmvsd.lab.projector_training import ProjectorTraining, build_projector  # CLI start-up: loaded per command
+    from mmvsd.lab.smol_llava import built_projector_dir  # CLI start-up: loaded per command
 
-    from mmvsd.lab.projector_training import ProjectorTraining, build_projector
-    from mmvsd.lab.smol_llava import built_projector_dir
-
-    if args.minutes <= 0 or args.max_steps < 0 or args.align_steps < 0 or args.lora_rank < 0:
-        raise UserError("--minutes must be > 0, --max-steps, --align-steps and --lora-rank >= 0")
+    if min(args.max_steps, args.align_steps, args.lora_rank, args.easy_vqa_images) < 0 or args.minutes <= 0:
+        raise UserError("--minutes must be > 0, --max-steps, --align-steps, --lora-rank and --easy-vqa-images >= 0")
     settings = ProjectorTraining(minutes=args.minutes, max_steps=args.max_steps, num_images=args.num_images,
-                                 align_steps=args.align_steps, lora_rank=args.lora_rank, seed=args.seed)
+                                 easy_vqa_images=args.easy_vqa_images, align_steps=args.align_steps,
+                                 lora_rank=args.lora_rank, precision=args.precision, seed=args.seed)
     output = Path(args.output) if args.output else built_projector_dir()
     build_projector(settings, output)
     print(f"smol-llava projector written to {output}"

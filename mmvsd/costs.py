@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
 from mmvsd.drafter import DraftInputs
 from mmvsd.files import atomic_file, cache_root
@@ -269,8 +270,6 @@ def measure_costs(
     """Time verify steps and drafting on this machine (warmed up, lower quartiles of `repeats` rounds).
 
     drafter: None, a neural `Drafter`, or any proposer with `new_session` (n-gram, hybrid)."""
-    from tqdm import tqdm
-
     batch_sizes = tuple(sorted(set(batch_sizes)))
     if not batch_sizes or min(batch_sizes) < 1 or context < ACCEPTED_PAIRS + 1 or repeats < 1:
         raise ValueError(f"need batch sizes >= 1, context > {ACCEPTED_PAIRS} and repeats >= 1")
@@ -442,10 +441,10 @@ def format_cost_table(table: CostTable) -> str:
 
 def plot_cost_table(table: CostTable, out_path: str | Path) -> None:
     """A PNG: verify-step ms vs tree tokens per batch size, and drafter ms vs frontier width."""
-    import matplotlib
+    import matplotlib  # optional plotting: only `--plot` needs it, and it is slow to import (~0.3 s)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # likewise; after use("Agg"), which picks a headless backend first
 
     fig, axes = plt.subplots(1, 2 if table.draft_widths else 1, figsize=(11 if table.draft_widths else 6, 4.2),
                              squeeze=False)

@@ -25,14 +25,17 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
 from mmvsd.adapter import padded_embeds, span_ids
 from mmvsd.decode import DecodeConfig, PromptLike, as_prompts, vanilla_generate
 from mmvsd.draft_session import DraftSession
 from mmvsd.drafter import Drafter, DraftInputs, PairMedia
 from mmvsd.errors import UserError
+from mmvsd.eval.suites import TEXT_BENCHMARKS, load_items
 from mmvsd.features import TokenBatch, capture_features
 from mmvsd.files import atomic_file, cache_root
+from mmvsd.prompts import read_prompt_file
 from mmvsd.shipped import target_checksum
 from mmvsd.target import Target
 from mmvsd.tree import DraftTree, ShapePlan, TreeShape, build_dynamic_tree
@@ -190,8 +193,6 @@ def evaluate_acceptance(
     report = AcceptanceReport(shape, [], [0] * (shape.depth + 1), tie_epsilon=tie_epsilon)
     chunks = range(0, len(prompts), batch_size)
     if progress:
-        from tqdm import tqdm
-
         chunks = tqdm(chunks, desc="eval-drafter", unit="batch", dynamic_ncols=True)
     for first in chunks:
         rows = slice(first, first + batch_size)
@@ -334,9 +335,6 @@ def _record_step(results, live: Tensor, root_index: Tensor, num_accepted: Tensor
 def load_eval_texts(spec: str, limit: int = 0) -> list[str]:
     """Prompt texts of `spec`: a JSONL prompt file (`prompt` or MT-Bench `turns`), or a built-in text
     benchmark (mt_bench, humaneval, gsm8k: their first user turns); the first `limit` (0: all)."""
-    from mmvsd.eval.suites import TEXT_BENCHMARKS, load_items
-    from mmvsd.prompts import read_prompt_file
-
     if limit < 0:
         raise UserError(f"--limit must be >= 0, got {limit}")
     if not Path(spec).exists() and spec in TEXT_BENCHMARKS:

@@ -12,6 +12,7 @@ from mmvsd.errors import UserError
 from mmvsd.files import atomic_dir
 from mmvsd.layouts import layout, layouts_for
 from mmvsd.target import Target
+from mmvsd.targets import load_target
 
 
 def export_drafter(
@@ -57,8 +58,6 @@ def _export_target(config: dict, target_spec: str | None, drafter_dir: Path) -> 
     spec = target_spec or config.get("target_name")
     if not spec:
         raise UserError(f"{drafter_dir} does not record its target; pass --target")
-    from mmvsd.targets import load_target  # loads transformers: only when the target is not given
-
     return load_target(spec)
 
 

@@ -6,17 +6,16 @@ import sys
 from pathlib import Path
 
 from mmvsd.errors import UserError
+from mmvsd.feature_cache import plan_feature_cache, write_feature_cache
+from mmvsd.targets import load_target
 from mmvsd.train_config import TrainConfig
+from mmvsd.trainer import TARGET_DTYPES, config_examples, data_settings
 
 DTYPES = {"auto": None, "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 
 
 def prepare_feature_cache(config: TrainConfig, dtype: str = "auto", assume_yes: bool = False) -> Path:
     """Render the same training examples `mmvsd train` would, print the size, then write the cache."""
-    from mmvsd.feature_cache import plan_feature_cache, write_feature_cache
-    from mmvsd.targets import load_target
-    from mmvsd.trainer import TARGET_DTYPES, config_examples, data_settings
-
     out_dir = Path(config.feature_cache)
     target = load_target(config.target, dtype=TARGET_DTYPES[config.target_dtype])
     split = config_examples(config, target)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from mmvsd.errors import UserError
 from mmvsd.files import atomic_dir, atomic_file, file_sha256
@@ -186,8 +188,6 @@ def write_manifest(folder: str | Path, **info) -> dict:
 
 
 def _check_half_precision(weights: Path) -> None:
-    from safetensors import safe_open
-
     with safe_open(str(weights), framework="pt") as handle:
         wide = [key for key in handle.keys()  # noqa: SIM118  (a safetensors handle is not iterable)
                 if handle.get_slice(key).get_dtype() in ("F32", "F64")]
@@ -199,8 +199,6 @@ def ship_drafter(source: str | Path, target: str, name: str, *, dtype: str = "bf
                  **info) -> Path:
     """Copy a trained drafter folder into the shipped tree as `target`/`name` with its floating
     tensors in `dtype` (fp16|bf16), then write its manifest (`info`: see `write_manifest`)."""
-    from safetensors.torch import load_file, save_file
-
     if dtype not in HALF_DTYPES:
         raise UserError(f"dtype must be one of {', '.join(HALF_DTYPES)}, got {dtype!r}")
     source = Path(source)

@@ -184,7 +184,7 @@ def _gguf_folder(gguf_path: Path, name: str) -> Path:
     folder = cache_root() / "targets" / f"{name}-{stat.st_size}-{int(stat.st_mtime)}"
     if (folder / "config.json").is_file():
         return folder
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # auto classes load their registries: GGUF only
 
     print(f"mmvsd: converting {gguf_path.name} to {folder} (once)", flush=True)
     try:
@@ -207,7 +207,7 @@ def _gguf_folder(gguf_path: Path, name: str) -> Path:
 
 def load_target_folder(folder: Path, name: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Target:
     """Load model and tokenizer from a local folder into a `Target`."""
-    from transformers import (
+    from transformers import (  # the auto classes load their model registries: only when a target loads
         AutoModelForCausalLM,
         AutoModelForImageTextToText,
         AutoTokenizer,
@@ -230,7 +230,7 @@ def load_target_folder(folder: Path, name: str, dtype: torch.dtype = torch.float
         tokenizer = AutoTokenizer.from_pretrained(folder)
     if model_cls is AutoModelForImageTextToText and any(
             (folder / f).is_file() for f in ("processor_config.json", "preprocessor_config.json")):
-        from transformers import AutoProcessor
+        from transformers import AutoProcessor  # slow (~0.1 s, image processors): multimodal targets only
 
         try:
             processor = AutoProcessor.from_pretrained(folder)

@@ -17,8 +17,11 @@ from typing import Any
 
 import yaml
 
+import mmvsd.configs
 from mmvsd.errors import UserError
+from mmvsd.files import atomic_file
 from mmvsd.objectives import OBJECTIVE_NAMES, ObjectiveConfig
+from mmvsd.tree import TreeShape
 
 
 @dataclass
@@ -100,8 +103,6 @@ class TrainConfig:
     def _validate_eval(self) -> None:
         if self.eval_every < 0 or self.eval_limit < 0:
             raise UserError(f"eval_every and eval_limit must be >= 0, got {self.eval_every} and {self.eval_limit}")
-        from mmvsd.tree import TreeShape
-
         try:
             TreeShape.parse(self.eval_tree)
         except ValueError as err:
@@ -112,8 +113,6 @@ class TrainConfig:
 
     def save(self, path: str | Path) -> None:
         """Write the resolved config as YAML (atomically)."""
-        from mmvsd.files import atomic_file
-
         with atomic_file(path) as handle:
             yaml.safe_dump(self.to_dict(), handle, sort_keys=False)
 
@@ -179,8 +178,6 @@ def _config_path(name: str) -> Path:
     path = Path(name)
     if path.exists():
         return path
-    import mmvsd.configs
-
     shipped = Path(mmvsd.configs.__file__).parent / f"{path.stem}.yaml"
     return shipped if shipped.exists() else path
 

@@ -22,17 +22,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
+from tqdm import tqdm
 
 from mmvsd.data.conversations import parse_dataset_spec
 from mmvsd.drafter import Drafter
-from mmvsd.drafters import drafter_class
 from mmvsd.drafter_init import InitSource, resolve_init
+from mmvsd.drafters import drafter_class
 from mmvsd.errors import UserError
 from mmvsd.evaluate import TauMonitor
 from mmvsd.feature_cache import FeatureCache, check_cache_matches
 from mmvsd.features import FeatureBatch, capture_features, collate
 from mmvsd.objectives import make_objective
 from mmvsd.target import Target
+from mmvsd.targets import load_target
 from mmvsd.train_config import TrainConfig
 from mmvsd.train_data import ExampleSplit, data_specs, draft_vocab_from_counts, load_examples, token_frequencies
 from mmvsd.train_media import embed_batch, media_adapter
@@ -151,8 +154,6 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
 
 def check_resume_config(checkpoint: Path, config: TrainConfig) -> None:
     """Refuse to resume a checkpoint made with different training settings."""
-    import yaml
-
     saved = yaml.safe_load((checkpoint / "train_config.yaml").read_text())
     current = config.to_dict()
     changed = sorted(k for k in current if k not in RESUMABLE_CHANGES and saved.get(k) != current[k])
@@ -240,8 +241,8 @@ def publish_drafter(drafter: Drafter, out_dir: Path) -> None:
 
 def _accelerator(config: TrainConfig, out_dir: Path):
     """One Accelerator; under `accelerate launch` with DeepSpeed, our batch settings fill its config."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
+    from accelerate import Accelerator  # heavy (~0.4 s even after torch): only a training run needs it
+    from accelerate.state import AcceleratorState  # likewise
 
     # one process may train several times (notebooks, tests) with other precisions: AcceleratorState
     # is a process-wide singleton, so forget its settings (the distributed PartialState is kept)
@@ -267,8 +268,6 @@ def _scalar_config(config: TrainConfig) -> dict:
 
 def train(config: TrainConfig, target: Target | None = None, resume: bool = False) -> Path:
     """Run (or resume) a training run; returns the output folder, which holds the drafter."""
-    from tqdm import tqdm
-
     out_dir = Path(config.output)
     resume_from = check_output(out_dir, resume)
     if resume_from is not None:
@@ -278,8 +277,6 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
     check_init(config)
     accelerator = _accelerator(config, out_dir)
     if target is None:
-        from mmvsd.targets import load_target
-
         target = load_target(config.target, dtype=TARGET_DTYPES[config.target_dtype])
     target.model.to(accelerator.device)
     monitor = _tau_monitor(config, target, accelerator)

@@ -1,5 +1,6 @@
 """The package's import graph has no cycle (function-level imports included, typing-only ones not), every
-module says what it owns in its first line, and no module is over 600 lines."""
+module says what it owns in its first line, no module is over 600 lines, and every function-level import
+says on its line why it is not at module level."""
 
 from __future__ import annotations
 
@@ -24,16 +25,30 @@ def package_modules() -> dict[str, Path]:
     return modules
 
 
+def typing_only(tree: ast.AST) -> set[int]:
+    """ids of the nodes under `if TYPE_CHECKING:` blocks."""
+    return {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
+            and getattr(block.test, "id", getattr(block.test, "attr", "")) == "TYPE_CHECKING"
+            for stmt in block.body for node in ast.walk(stmt)}
+
+
+def function_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements inside function bodies, except under `if TYPE_CHECKING:`, in line order."""
+    skip = typing_only(tree)
+    functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    found = {id(node): node for function in functions for node in ast.walk(function)
+             if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skip}
+    return sorted(found.values(), key=lambda node: node.lineno)
+
+
 def runtime_imports(name: str, path: Path, known: set[str]) -> set[str]:
     """The package modules `name` imports anywhere in its code, except under `if TYPE_CHECKING:`."""
     tree = ast.parse(path.read_text())
-    typing_only = {id(node) for block in ast.walk(tree) if isinstance(block, ast.If)
-                   and getattr(block.test, "id", getattr(block.test, "attr", "")) == "TYPE_CHECKING"
-                   for stmt in block.body for node in ast.walk(stmt)}
+    skip = typing_only(tree)
     base = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
     found = set()
     for node in ast.walk(tree):
-        if id(node) in typing_only:
+        if id(node) in skip:
             continue
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
@@ -90,3 +105,22 @@ def test_module_says_what_it_owns_and_stays_small(name):
     docstring = ast.get_docstring(ast.parse(path.read_text()))
     assert docstring and docstring.splitlines()[0].strip(), f"{path} has no first-line docstring"
     assert len(path.read_text().splitlines()) <= 600, f"{path} is over 600 lines"
+
+
+def test_function_imports_finds_only_function_level_ones():
+    tree = ast.parse("import os\n"
+                     "def f():\n    import json  # why\n    if TYPE_CHECKING:\n        import typing\n"
+                     "    def g():\n        from a import (  # why\n            b,\n        )\n"
+                     "class C:\n    async def h(self):\n        import csv\n")
+    assert [node.lineno for node in function_imports(tree)] == [3, 7, 12]
+
+
+@pytest.mark.parametrize("name", sorted(package_modules()))
+def test_function_level_imports_say_why(name):
+    """An import inside a function (a heavy or optional package, the CLI's start-up time) says why in a trailing
+    comment on its line (the first line of a multi-line import); anything else belongs at module level."""
+    path = package_modules()[name]
+    lines = path.read_text().splitlines()
+    silent = [f"{path.name}:{node.lineno}: {lines[node.lineno - 1].strip()}"
+              for node in function_imports(ast.parse(path.read_text())) if "#" not in lines[node.lineno - 1]]
+    assert not silent, f"function-level imports without a reason (move them up or say why): {silent}"

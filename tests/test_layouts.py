@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import PROMPT_POOL, make_tiny_llama, save_tiny_target
 from mmvsd.decode import DecodeConfig, speculative_generate
-from mmvsd.drafters import load_drafter
 from mmvsd.drafter_init import resolve_init
+from mmvsd.drafters import load_drafter
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.errors import UserError
 from mmvsd.export import add_export_parser, export_drafter, run_export

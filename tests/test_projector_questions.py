@@ -109,7 +109,7 @@ def test_patch_targets_sum_colour_kind_and_side_at_the_given_norm():
     vectors = {w: torch.randn(8) for w in ("red", "circle", "blue", "square", "left", "right", BACKGROUND_WORD)}
     shapes = [{"kind": "circle", "color": "red", "x": 168, "y": 168, "size": 50},  # middle column: no side
               {"kind": "square", "color": "blue", "x": 24, "y": 24, "size": 30}]  # top-left patch
-    targets = patch_targets(shapes, vectors, norm=3.0)
+    targets = patch_targets(patch_words(shapes), vectors, norm=3.0)
     centre = 3 * PATCH_GRID + 3
     expected = vectors["red"] + vectors["circle"]
     assert torch.allclose(targets[centre], expected * 3.0 / expected.norm())
@@ -117,6 +117,6 @@ def test_patch_targets_sum_colour_kind_and_side_at_the_given_norm():
     assert torch.allclose(targets[0], expected * 3.0 / expected.norm())
     last = PATCH_GRID * PATCH_GRID - 1
     assert torch.allclose(targets[last], vectors[BACKGROUND_WORD] * 3.0 / vectors[BACKGROUND_WORD].norm())
-    shifted = patch_targets([{**shapes[1], "x": 336 - 24}], vectors, norm=3.0)[PATCH_GRID - 1]  # top-right patch
+    shifted = patch_targets(patch_words([{**shapes[1], "x": 336 - 24}]), vectors, norm=3.0)[PATCH_GRID - 1]  # top-right patch
     expected = vectors["blue"] + vectors["square"] + vectors["right"]
     assert torch.allclose(shifted, expected * 3.0 / expected.norm())

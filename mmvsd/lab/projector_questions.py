@@ -14,15 +14,18 @@ from collections import Counter
 import torch
 from torch import Tensor
 
+from mmvsd.data import easy_vqa
 from mmvsd.data.image_charts import chart_answer, chart_question
 from mmvsd.data.image_families import CANVAS_SIZE, SHAPE_COLORS, SHAPE_KINDS, plural
 from mmvsd.data.image_text import text_answer, text_question
 from mmvsd.data.images import ImageItem
 
+EASY_VQA_FAMILY = "easy-vqa"  # the family of items read from the easy-vqa data set (mmvsd.lab.easy_vqa_items)
 PATCH_GRID = 7  # the tower's 7 x 7 head map over the whole (resized, uncropped) canvas
 BACKGROUND_WORD = "background"
 SIDE_WORDS = ("left", "right")
-ALIGN_WORDS = frozenset({*SHAPE_COLORS, *SHAPE_KINDS, *SIDE_WORDS, BACKGROUND_WORD})  # every word a target uses
+ALIGN_WORDS = frozenset({*SHAPE_COLORS, *SHAPE_KINDS, *easy_vqa.COLORS, *easy_vqa.SHAPES, *SIDE_WORDS,
+                         BACKGROUND_WORD})  # every word a patch target uses
 
 
 def shape_questions(shapes: list[dict], rng: random.Random) -> list[tuple[str, str]]:
@@ -75,6 +78,8 @@ def extra_questions(item: ImageItem, rng: random.Random, limit: int) -> list[tup
         pool = chart_questions(item.meta)
     elif item.family == "textvqa":
         pool = text_questions(item.meta)
+    elif item.family == EASY_VQA_FAMILY:
+        pool = [(question, answer) for question, answer in item.meta["questions"]]
     else:
         return []
     pool = [(q, a) for q, a in pool if q != item.question]
@@ -123,10 +128,17 @@ def patch_side(index: int) -> tuple[str, ...]:
     return () if column == middle else (SIDE_WORDS[0] if column < middle else SIDE_WORDS[1],)
 
 
-def patch_targets(shapes: list[dict], vectors: dict[str, Tensor], norm: float) -> Tensor:
+def item_patch_words(item: ImageItem) -> list[tuple[str, ...]] | None:
+    """The words each patch of the item's image shows (None: not known for this item)."""
+    if "shapes" in item.meta:
+        return patch_words(item.meta["shapes"])
+    return item.meta.get("patch_words")
+
+
+def patch_targets(words_per_patch: list[tuple[str, ...]], vectors: dict[str, Tensor], norm: float) -> Tensor:
     """[49, H] target embeddings: the sum of a shape's colour, kind and side words (rescaled to `norm`)."""
     rows = []
-    for index, words in enumerate(patch_words(shapes)):
+    for index, words in enumerate(words_per_patch):
         if words != (BACKGROUND_WORD,):
             words = words + patch_side(index)
         vector = torch.stack([vectors[w] for w in words]).sum(0)
