@@ -7,7 +7,9 @@ Kinds: colour and shape (which shape is on a side) and count on shape scenes, ch
 of a named bar, point or slice), word (text on signs, plaques, jerseys and tags), plain colour (the
 colour of one large shape on a plain background, asked "What color is the shape?"), and easy-vqa: a
 fixed seeded sample of the easy-vqa test questions (real held-out data; also split into colour, shape
-and yes/no questions, with the majority-answer rate beside them). Greedy decoding,
+and yes/no questions), with the majority-answer rate of the sample and, per kind, the question prior:
+how often the train split's most common answer to the same question text is right, the best a model
+that cannot see can do. Greedy decoding,
 the short-answer instruction the projector was trained with; an answer is right when lmms-eval's
 VQA answer normalisation of the reply equals the reference or starts with it.
 
@@ -115,6 +117,22 @@ def easy_vqa_test_items(count: int, seed: int = 0) -> tuple[list[tuple[str, Imag
     return items, len(skipped), majority
 
 
+def question_prior_rates(items: list[tuple[str, ImageItem]]) -> dict[str, float]:
+    """What the question alone can give: per kind (and "easy-vqa" in all), the share of test questions whose
+    answer is the train split's most common answer to the same question text (the most common train answer
+    for a text never seen in train)."""
+    by_text: dict[str, Counter] = {}
+    for question in easy_vqa.read_split("train").questions:
+        by_text.setdefault(question.question, Counter())[question.answer] += 1
+    overall = sum(by_text.values(), Counter()).most_common(1)[0][0]
+    right: dict[str, list[bool]] = {"easy-vqa": []}
+    for kind, item in items:
+        guess = by_text[item.question].most_common(1)[0][0] if item.question in by_text else overall
+        right.setdefault(kind, []).append(guess == item.answer)
+        right["easy-vqa"].append(guess == item.answer)
+    return {kind: round(sum(hits) / max(1, len(hits)), 3) for kind, hits in right.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--projector", type=Path, help="projector folder (default: the one --target smol-llava uses)")
@@ -144,9 +162,13 @@ def main() -> None:
     for kind, chosen in groups.items():
         summary[kind] = {"n": len(chosen), **{mode: round(sum(r[f"{mode} right"] for r in chosen) / max(1, len(chosen)), 3)
                                               for mode in ("image", "no image")}}
-    print(f"{'kind':<16} {'n':>5} {'image':>7} {'no image':>9}")
+    priors = question_prior_rates(easy_items)
+    for kind, rate in priors.items():
+        summary[kind]["question prior"] = rate
+    print(f"{'kind':<16} {'n':>5} {'image':>7} {'no image':>9} {'question prior':>15}")
     for kind, s in summary.items():
-        print(f"{kind:<16} {s['n']:>5} {s['image']:>7.1%} {s['no image']:>9.1%}")
+        prior = f"{s['question prior']:>15.1%}" if "question prior" in s else ""
+        print(f"{kind:<16} {s['n']:>5} {s['image']:>7.1%} {s['no image']:>9.1%} {prior}")
     print(f"easy-vqa: majority answer {majority:.1%} of the sample; {skipped} unreadable images skipped")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     projector = {"sha256": read_manifest(folder)["sha256"], "shipped": folder == SHIPPED_PROJECTOR_DIR}

@@ -206,8 +206,9 @@ def test_smol_llava_by_name_reads_colours_that_its_language_model_cannot_guess()
 
 @pytest.mark.smollm2
 def test_shipped_smol_llava_answers_held_out_easy_vqa_questions():
-    """64 easy-vqa test questions (a fixed seeded sample): the shipped target answers far above the majority
-    answer's share (about 37%) and the 43% that knowing only each question's answer type gives."""
+    """64 easy-vqa test questions (a fixed seeded sample): the shipped target answers them as the issue asks
+    (at least 85%), far above what the question alone gives (the train split's most common answer to the
+    same question text is right for 67% of the benchmark's 2,000-question sample; the majority answer 37%)."""
     from mmvsd.targets import load_target, resolve_target_folder
 
     target = load_target("smol-llava")
@@ -218,7 +219,7 @@ def test_shipped_smol_llava_answers_held_out_easy_vqa_questions():
     assert not skipped
     replies = short_answers(target.model, processor, [(images[q.image_id], q.question) for q in questions])
     right = sum(is_right(reply, q.answer) for reply, q in zip(replies, questions))
-    assert right >= 48, list(zip(replies, [q.answer for q in questions]))
+    assert right >= 56, list(zip(replies, [q.answer for q in questions]))
 
 
 def test_folded_standardisation_reads_raw_features():
