@@ -183,7 +183,7 @@ def test_build_target_bad_name_exits_2(capsys):
 def test_smol_llava_by_name_reads_colours_that_its_language_model_cannot_guess():
     """The shipped target, loaded by name, answers colour questions on held-out generated images far more
     often with the image than the same language model answers them without it."""
-    from mmvsd.targets import load_target, resolve_target_folder
+    from mmvsd.target_loader import load_target, resolve_target_folder
 
     target = load_target("smol-llava")
     processor = AutoProcessor.from_pretrained(resolve_target_folder("smol-llava"))
@@ -208,7 +208,7 @@ def test_smol_llava_by_name_reads_colours_that_its_language_model_cannot_guess()
 def test_shipped_smol_llava_answers_held_out_easy_vqa_questions():
     """64 easy-vqa test questions (a fixed seeded sample): the shipped target answers far above the majority
     answer's share (about 37%) and the 43% that knowing only each question's answer type gives."""
-    from mmvsd.targets import load_target, resolve_target_folder
+    from mmvsd.target_loader import load_target, resolve_target_folder
 
     target = load_target("smol-llava")
     processor = AutoProcessor.from_pretrained(resolve_target_folder("smol-llava"))
