@@ -2,7 +2,7 @@
 
 Built-ins are listed here; another package registers its adapter through the entry-point group
 ``mmvsd.adapters`` (``name = "package.module:AdapterClass"``). ``mmvsd adapters list`` shows them all.
-The interface they implement is `mmvsd.adapter`.
+The interface they implement is `mmvsd.adapter_base`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 from collections.abc import Callable
 
-from mmvsd.adapter import ModalityAdapter
+from mmvsd.adapter_base import ModalityAdapter
 from mmvsd.adapters.llava import LlavaAdapter
 from mmvsd.adapters.text import TextAdapter
 from mmvsd.errors import UserError

@@ -14,7 +14,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 from torch import Tensor
 
-from mmvsd.adapter import Expansion, MediaSpan, ModalityAdapter, Prompt
+from mmvsd.adapter_base import Expansion, MediaSpan, ModalityAdapter, Prompt
 from mmvsd.errors import UserError
 
 

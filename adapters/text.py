@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mmvsd.adapter import ModalityAdapter, Prompt
+from mmvsd.adapter_base import ModalityAdapter, Prompt
 from mmvsd.errors import UserError
 
 

@@ -32,7 +32,7 @@ from mmvsd.drafters import load_drafter
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.kv import RaggedCache
 from mmvsd.target import Target
-from mmvsd.targets import load_target
+from mmvsd.target_loader import load_target
 from mmvsd.tree import TreeShape
 
 

@@ -20,7 +20,7 @@ import torch
 
 from mmvsd.data.conversations import load_conversations
 from mmvsd.data.regenerate import RegenerateStats, regenerate_conversations
-from mmvsd.targets import load_target
+from mmvsd.target_loader import load_target
 
 
 def parse_args() -> argparse.Namespace:

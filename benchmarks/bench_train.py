@@ -20,7 +20,7 @@ import torch
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.features import capture_features, collate
 from mmvsd.objectives import ObjectiveConfig, make_objective
-from mmvsd.targets import load_target
+from mmvsd.target_loader import load_target
 from mmvsd.train_data import draft_vocab_from_counts, load_examples, token_frequencies
 
 

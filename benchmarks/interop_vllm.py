@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from mmvsd.errors import UserError
     from mmvsd.files import atomic_file
-    from mmvsd.targets import load_target, resolve_target_folder
+    from mmvsd.target_loader import load_target, resolve_target_folder
 
     try:
         target = load_target(args.target)

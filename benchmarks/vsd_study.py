@@ -377,7 +377,7 @@ def check_args(args: argparse.Namespace, arms: list[Arm]) -> None:
 
 def run_study(args: argparse.Namespace, target=None) -> list[dict]:
     """Train every run, evaluate them and the init drafter, write the reports; returns the summary rows."""
-    from mmvsd.targets import load_target
+    from mmvsd.target_loader import load_target
     from mmvsd.trainer import TARGET_DTYPES
 
     arms = [parse_arm(spec) for spec in (args.arm or DEFAULT_ARMS)]

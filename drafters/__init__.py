@@ -1,7 +1,7 @@
 """The built-in drafter architectures (one file each) and the registry that loads a drafter folder by its type.
 
-The interface they implement is `mmvsd.drafter`; their checkpoint layouts (`*_layout.py` here) are
-registered in `mmvsd.layouts`. A new architecture is a file here plus one entry in `DRAFTERS`.
+The interface they implement is `mmvsd.drafter_base`; their checkpoint layouts (`*_layout.py` here) are
+registered in `mmvsd.layout_registry`. A new architecture is a file here plus one entry in `DRAFTERS`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mmvsd.checkpoints import read_config
-from mmvsd.drafter import Drafter
+from mmvsd.drafter_base import Drafter
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.drafters.msd import MSDDrafter
 from mmvsd.drafters.vispec import ViSpecDrafter

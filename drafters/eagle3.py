@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mmvsd.drafter import (
+from mmvsd.drafter_base import (
     Drafter,
     PairMedia,
     check_fits_target,

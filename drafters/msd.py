@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mmvsd.drafter import PairMedia
+from mmvsd.drafter_base import PairMedia
 from mmvsd.drafters.eagle1 import Eagle1Drafter, LayerInput
 from mmvsd.kv import RaggedCache
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from mmvsd.drafter import PairMedia
+from mmvsd.drafter_base import PairMedia
 from mmvsd.drafters.eagle1 import Eagle1Config, Eagle1Drafter, LayerInput
 from mmvsd.errors import UserError
 from mmvsd.kv import RaggedCache

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from mmvsd.adapter import Prompt
+from mmvsd.adapter_base import Prompt
 from mmvsd.adapters import choose_adapter
 from mmvsd.baselines import hf_generate
 from mmvsd.decode import DecodeConfig, SequenceResult, speculative_generate, vanilla_generate
@@ -51,7 +51,7 @@ from mmvsd.eval.suites import (
 from mmvsd.shape_policy import AcceptanceStats
 from mmvsd.shipped import default_drafter
 from mmvsd.target import Target
-from mmvsd.targets import load_target
+from mmvsd.target_loader import load_target
 
 RECORDS = "records.jsonl"
 PLD_TOKENS = 10

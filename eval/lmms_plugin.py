@@ -47,7 +47,7 @@ from loguru import logger
 from PIL import Image
 from tqdm import tqdm
 
-from mmvsd.adapter import ModalityAdapter, Prompt
+from mmvsd.adapter_base import ModalityAdapter, Prompt
 from mmvsd.adapters import choose_adapter
 from mmvsd.errors import UserError
 from mmvsd.eval.bench_config import fixed_tree_spec, tree_shape
@@ -148,7 +148,7 @@ class MmvsdLmms(lmms):
             raise UserError(f"unknown dtype {dtype!r}; choose {', '.join(DTYPES)}")
         from mmvsd.drafter_spec import drafter_from_spec  # transformers-backed: see the module docstring
         from mmvsd.eval.bench import TreeGenerate  # likewise
-        from mmvsd.targets import load_target  # likewise
+        from mmvsd.target_loader import load_target  # likewise
 
         self.temperature = float(temperature)
         self.max_new_tokens = int(max_new_tokens)

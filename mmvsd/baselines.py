@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from mmvsd.adapter import Prompt
+from mmvsd.adapter_base import Prompt
 from mmvsd.decode import DecodeConfig, SequenceResult
 from mmvsd.target import Target
 

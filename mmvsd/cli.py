@@ -195,7 +195,7 @@ def run_generate(args: argparse.Namespace) -> None:
     from mmvsd.drafter_spec import check_ngram_options, drafter_from_spec  # CLI start-up: loaded per command
     from mmvsd.shape_policy import AcceptanceStats  # CLI start-up: loaded per command
     from mmvsd.shipped import implicit_drafter_spec  # CLI start-up: loaded per command
-    from mmvsd.targets import load_target  # CLI start-up: loaded per command
+    from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
 
     texts = read_prompt_file(args.prompt_file) if args.prompt_file else [args.prompt]
     if any(not t.strip() for t in texts):
@@ -259,10 +259,10 @@ def _encode_prompts(target, texts: list[str], args: argparse.Namespace) -> list:
 def run_eval_drafter(args: argparse.Namespace) -> None:
     """`mmvsd eval-drafter`: greedy continuations (cached), then the replayed acceptance report."""
     from mmvsd import evaluate  # CLI start-up: loaded per command
-    from mmvsd.drafter import Drafter  # CLI start-up: loaded per command
+    from mmvsd.drafter_base import Drafter  # CLI start-up: loaded per command
     from mmvsd.drafter_spec import drafter_from_spec  # CLI start-up: loaded per command
     from mmvsd.shipped import implicit_drafter_spec  # CLI start-up: loaded per command
-    from mmvsd.targets import load_target  # CLI start-up: loaded per command
+    from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
     from mmvsd.tree import TreeShape  # CLI start-up: loaded per command
 
     shape = tree_from_args(args)
@@ -318,7 +318,7 @@ def run_profile(args: argparse.Namespace) -> None:
         plot_cost_table,
     )
     from mmvsd.drafter_spec import drafter_from_spec  # CLI start-up: loaded per command
-    from mmvsd.targets import load_target  # CLI start-up: loaded per command
+    from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
 
     if args.plot and not args.plot.lower().endswith(".png"):
         raise UserError(f"--plot must name a .png file, got {args.plot!r}")

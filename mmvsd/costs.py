@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from mmvsd.drafter import DraftInputs
+from mmvsd.drafter_base import DraftInputs
 from mmvsd.files import atomic_file, cache_root
 from mmvsd.kv import RaggedCache, sequence_block
 from mmvsd.target import Target

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from mmvsd.adapter import Prompt, padded_embeds, span_ids
+from mmvsd.adapter_base import Prompt, padded_embeds, span_ids
 from mmvsd.costs import load_cost_table
-from mmvsd.drafter import Drafter, DraftInputs, PairMedia
+from mmvsd.drafter_base import Drafter, DraftInputs, PairMedia
 from mmvsd.errors import UserError
 from mmvsd.kv import sequence_block
 from mmvsd.shape_policy import AcceptanceStats, AutoShape, SpeedGuard, StepCosts

@@ -11,7 +11,7 @@ from torch import Tensor
 from mmvsd.kv import sequence_block
 
 if TYPE_CHECKING:  # types only: the drafter module creates sessions (`Drafter.new_session`)
-    from mmvsd.drafter import Drafter, DraftInputs
+    from mmvsd.drafter_base import Drafter, DraftInputs
 
 
 class DraftSession:

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING
 
 from mmvsd.checkpoints import hf_cache_snapshot, hf_hub_cache
 from mmvsd.errors import UserError
-from mmvsd.layout import Layout
-from mmvsd.layouts import LAYOUTS, folder_layout, layout_names, load_with
+from mmvsd.layout_base import Layout
+from mmvsd.layout_registry import LAYOUTS, folder_layout, layout_names, load_with
 
 if TYPE_CHECKING:
-    from mmvsd.drafter import Drafter
+    from mmvsd.drafter_base import Drafter
     from mmvsd.target import Target
 
 

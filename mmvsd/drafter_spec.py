@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mmvsd.drafter import Drafter
+from mmvsd.drafter_base import Drafter
 from mmvsd.drafters import drafter_class, load_drafter
 from mmvsd.errors import UserError
 from mmvsd.hybrid import with_ngram

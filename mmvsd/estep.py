@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mmvsd.drafter import Drafter, target_to_draft_ids
+from mmvsd.drafter_base import Drafter, target_to_draft_ids
 from mmvsd.features import FeatureBatch, TokenBatch, draft_step0_inputs, prefix_cache
 from mmvsd.kv import RaggedCache, sequence_block
 from mmvsd.target import Target

@@ -27,10 +27,10 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from mmvsd.adapter import padded_embeds, span_ids
+from mmvsd.adapter_base import padded_embeds, span_ids
 from mmvsd.decode import DecodeConfig, PromptLike, as_prompts, vanilla_generate
 from mmvsd.draft_session import DraftSession
-from mmvsd.drafter import Drafter, DraftInputs, PairMedia
+from mmvsd.drafter_base import Drafter, DraftInputs, PairMedia
 from mmvsd.errors import UserError
 from mmvsd.eval.suites import TEXT_BENCHMARKS, load_items
 from mmvsd.features import TokenBatch, capture_features

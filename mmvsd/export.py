@@ -10,9 +10,9 @@ from mmvsd.checkpoints import read_config
 from mmvsd.drafters import load_drafter
 from mmvsd.errors import UserError
 from mmvsd.files import atomic_dir
-from mmvsd.layouts import layout, layouts_for
+from mmvsd.layout_registry import layout, layouts_for
 from mmvsd.target import Target
-from mmvsd.targets import load_target
+from mmvsd.target_loader import load_target
 
 
 def export_drafter(

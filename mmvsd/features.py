@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mmvsd.drafter import Drafter, PairMedia
+from mmvsd.drafter_base import Drafter, PairMedia
 from mmvsd.kv import RaggedCache, sequence_block
 from mmvsd.target import Target, TargetOutput
 from mmvsd.unroll import shifted

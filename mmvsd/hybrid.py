@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from mmvsd.draft_session import DraftSession
-from mmvsd.drafter import Drafter, DraftInputs
+from mmvsd.drafter_base import Drafter, DraftInputs
 from mmvsd.ngram import NEG_INF, NgramConfig, NgramDrafter, NgramSession
 
 

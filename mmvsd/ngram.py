@@ -25,7 +25,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from mmvsd.drafter import DraftInputs
+from mmvsd.drafter_base import DraftInputs
 from mmvsd.errors import UserError
 
 NEG_INF = float("-inf")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mmvsd.drafter import Drafter, target_to_draft_ids
+from mmvsd.drafter_base import Drafter, target_to_draft_ids
 from mmvsd.errors import UserError
 from mmvsd.estep import EStepPaths, run_estep
 from mmvsd.features import FeatureBatch, draft_step0_inputs

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from mmvsd.errors import UserError
 from mmvsd.feature_cache import plan_feature_cache, write_feature_cache
-from mmvsd.targets import load_target
+from mmvsd.target_loader import load_target
 from mmvsd.train_config import TrainConfig
 from mmvsd.trainer import TARGET_DTYPES, config_examples, data_settings
 

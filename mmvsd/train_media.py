@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import torch
 
-from mmvsd.adapter import ModalityAdapter, Prompt, padded_embeds, span_ids
+from mmvsd.adapter_base import ModalityAdapter, Prompt, padded_embeds, span_ids
 from mmvsd.adapters import choose_adapter
 from mmvsd.data.conversations import Conversation, Turn
 from mmvsd.data.render import RenderedExample, render_conversation

@@ -26,7 +26,7 @@ import yaml
 from tqdm import tqdm
 
 from mmvsd.data.conversations import parse_dataset_spec
-from mmvsd.drafter import Drafter
+from mmvsd.drafter_base import Drafter
 from mmvsd.drafter_init import InitSource, resolve_init
 from mmvsd.drafters import drafter_class
 from mmvsd.errors import UserError
@@ -35,7 +35,7 @@ from mmvsd.feature_cache import FeatureCache, check_cache_matches
 from mmvsd.features import FeatureBatch, capture_features, collate
 from mmvsd.objectives import make_objective
 from mmvsd.target import Target
-from mmvsd.targets import load_target
+from mmvsd.target_loader import load_target
 from mmvsd.train_config import TrainConfig
 from mmvsd.train_data import ExampleSplit, data_specs, draft_vocab_from_counts, load_examples, token_frequencies
 from mmvsd.train_media import embed_batch, media_adapter

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mmvsd.drafter import Drafter, PairMedia
+from mmvsd.drafter_base import Drafter, PairMedia
 
 
 def shifted(token_ids: Tensor, shift: int, fill: int = 0) -> Tensor:

@@ -116,7 +116,7 @@ def random_drafter(tiny_target) -> Eagle3Drafter:
 
 @pytest.fixture(scope="session")
 def smollm2_target() -> Target:
-    from mmvsd.targets import load_target
+    from mmvsd.target_loader import load_target
 
     return load_target("smollm2-135m")
 
@@ -182,7 +182,7 @@ def llava_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def llava_target(llava_dir) -> Target:
-    from mmvsd.targets import load_target
+    from mmvsd.target_loader import load_target
 
     return load_target(str(llava_dir))
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image
 
-from mmvsd.adapter import Prompt
+from mmvsd.adapter_base import Prompt
 from mmvsd.adapters import adapter_for, get_adapter, registered_adapters
 from mmvsd.cli import main
 from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate

@@ -18,7 +18,7 @@ from mmvsd.eval.bench import Method, build_methods, run_batch
 from mmvsd.eval.bench_config import BenchConfig
 from mmvsd.eval.scoring import gsm8k_correct, humaneval_passed
 from mmvsd.eval.suites import load_items, resolve_suite
-from mmvsd.targets import load_target
+from mmvsd.target_loader import load_target
 
 
 @pytest.fixture(scope="module")

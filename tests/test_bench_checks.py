@@ -17,7 +17,7 @@ from mmvsd.eval.bench import Method, Record, TreeGenerate, build_methods, drafte
 from mmvsd.eval.bench_config import BenchConfig, tree_shape
 from mmvsd.eval.report import aggregate, markdown_table
 from mmvsd.eval.suites import load_items
-from mmvsd.targets import load_target
+from mmvsd.target_loader import load_target
 from mmvsd.tree import TreeShape
 
 

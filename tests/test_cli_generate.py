@@ -11,7 +11,7 @@ import torch
 from conftest import run_cli, save_tiny_target
 from mmvsd.cli import main
 from mmvsd.drafters.eagle3 import Eagle3Drafter
-from mmvsd.targets import load_target
+from mmvsd.target_loader import load_target
 
 
 @pytest.fixture(scope="module")

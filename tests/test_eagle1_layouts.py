@@ -12,7 +12,7 @@ from test_layouts import fake_hf_cache, write_checkpoint
 
 from conftest import save_tiny_llava
 from mmvsd.cli import main as cli_main
-from mmvsd.drafter import DraftInputs, PairMedia
+from mmvsd.drafter_base import DraftInputs, PairMedia
 from mmvsd.drafter_init import resolve_init
 from mmvsd.drafters.eagle1 import Eagle1Drafter
 from mmvsd.drafters.eagle3 import Eagle3Drafter
@@ -20,9 +20,9 @@ from mmvsd.drafters.msd import MSDDrafter
 from mmvsd.drafters.vispec import ViSpecDrafter
 from mmvsd.errors import UserError
 from mmvsd.export import export_drafter
-from mmvsd.layouts import layout
+from mmvsd.layout_registry import layout
 from mmvsd.target import Target
-from mmvsd.targets import load_target
+from mmvsd.target_loader import load_target
 from mmvsd.train_config import TrainConfig
 from mmvsd.trainer import check_init
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from mmvsd.drafter import DraftInputs, target_to_draft_ids
+from mmvsd.drafter_base import DraftInputs, target_to_draft_ids
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.estep import EStepPaths, choose_anchors, draft_pass, run_estep, score_paths_packed, target_rollouts
 from mmvsd.features import TokenBatch, capture_features

@@ -124,7 +124,7 @@ def evaluate_random_drafter(target):
 
 
 def test_evaluator_with_image_prompts_equals_generate(llava_target, llava_dir):
-    from mmvsd.adapter import Prompt
+    from mmvsd.adapter_base import Prompt
     from mmvsd.adapters import choose_adapter
     from mmvsd.drafters import drafter_class
 

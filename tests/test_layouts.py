@@ -18,7 +18,7 @@ from mmvsd.drafters import load_drafter
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.errors import UserError
 from mmvsd.export import add_export_parser, export_drafter, run_export
-from mmvsd.layouts import LAYOUTS, layout
+from mmvsd.layout_registry import LAYOUTS, layout
 from mmvsd.target import Target
 from mmvsd.train_config import TrainConfig
 from mmvsd.trainer import build_drafter, check_init

@@ -19,7 +19,7 @@ from conftest import fit_drafter_to_target, save_tiny_llava
 from mmvsd.errors import UserError
 from mmvsd.eval import mini_task_dir
 from mmvsd.eval.lmms_plugin import MmvsdLmms
-from mmvsd.targets import load_target
+from mmvsd.target_loader import load_target
 
 SMALL_TREE = "tree_budget=12,tree_depth=3,tree_topk=3"  # model_args: keeps the random drafter fast on the CPU
 TASK, SPLIT = "handmade", "test"

@@ -13,16 +13,16 @@ import torch
 from PIL import Image
 
 from conftest import save_tiny_llava
-from mmvsd.adapter import Prompt
+from mmvsd.adapter_base import Prompt
 from mmvsd.adapters import adapter_for
 from mmvsd.cli import main
 from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate
-from mmvsd.drafter import DraftInputs, PairMedia
+from mmvsd.drafter_base import DraftInputs, PairMedia
 from mmvsd.drafters import drafter_class, load_drafter
 from mmvsd.drafters.vispec import ViSpecConfig, ViSpecDrafter
 from mmvsd.errors import UserError
 from mmvsd.kv import sequence_block
-from mmvsd.targets import load_target
+from mmvsd.target_loader import load_target
 from mmvsd.train_config import TrainConfig
 from mmvsd.trainer import curriculum_indices, train
 from mmvsd.tree import TreeShape

@@ -13,7 +13,7 @@ from test_sampling import NUM_SAMPLES, chi_square_pvalue
 from conftest import make_tiny_llama, random_prompts, save_tiny_target
 from mmvsd.cli import main
 from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate
-from mmvsd.drafter import DraftInputs
+from mmvsd.drafter_base import DraftInputs
 from mmvsd.drafter_spec import drafter_from_spec
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.errors import UserError

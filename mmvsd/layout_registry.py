@@ -1,6 +1,6 @@
 """The checkpoint-layout registry: every layout by name (ours, `hf`, and the built-in drafters' from
 `drafters/*_layout.py`), recognising a folder's layout, and loading through a layout with a hint when a
-folder is in another. The interface is `mmvsd.layout`; reading the folders is `mmvsd.checkpoints`;
+folder is in another. The interface is `mmvsd.layout_base`; reading the folders is `mmvsd.checkpoints`;
 `--init` is `mmvsd.drafter_init`; `mmvsd export` is `mmvsd.export`.
 """
 
@@ -10,12 +10,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mmvsd.checkpoints import CONFIG_FILE, read_config, read_keys
-from mmvsd.drafter import Drafter
+from mmvsd.drafter_base import Drafter
 from mmvsd.drafters import load_drafter
 from mmvsd.drafters.eagle1_layout import MSDLayout, ViSpecLayout
 from mmvsd.drafters.eagle3_layout import Eagle3Layout, SpeculatorsLayout
 from mmvsd.errors import UserError
-from mmvsd.layout import Layout, NotThisLayout
+from mmvsd.layout_base import Layout, NotThisLayout
 
 if TYPE_CHECKING:
     from mmvsd.target import Target
