@@ -5,7 +5,8 @@ scores what guessing from the question alone gives.
 
 Kinds: colour and shape (which shape is on a side) and count on shape scenes, chart value (the value
 of a named bar, point or slice), word (text on signs, plaques, jerseys and tags), plain colour (the
-colour of one large shape on a plain background, asked "What color is the shape?"), and easy-vqa: a
+colour of one large shape on a plain background, asked "What color is the shape?": the test split of
+`mmvsd.lab.plain_shapes`, whose train split the projector sees), and easy-vqa: a
 fixed seeded sample of the easy-vqa test questions (real held-out data; also split into colour, shape
 and yes/no questions), with the majority-answer rate of the sample and, per kind, the question prior:
 how often the train split's most common answer to the same question text is right, the best a model
@@ -31,9 +32,9 @@ import torch
 from tqdm.auto import tqdm
 
 from mmvsd.data import easy_vqa
-from mmvsd.data.image_families import CANVAS_SIZE, SHAPE_COLORS, SHAPE_KINDS, draw_shape, light_color, new_canvas
 from mmvsd.data.images import ImageItem, generate_item
 from mmvsd.lab.efficientnet import IMAGE_SIZE
+from mmvsd.lab.plain_shapes import plain_shape_items
 from mmvsd.lab.short_answers import is_right, short_answers
 from mmvsd.lab.smol_llava import (
     SHIPPED_PROJECTOR_DIR,
@@ -72,26 +73,8 @@ def held_out_items(per_kind: int, seed: int = 0) -> list[tuple[str, ImageItem]]:
             if kind and len(picked[kind]) < per_kind:
                 picked[kind].append(item)
             index += 1
-    picked["plain colour"] = plain_colour_items(per_kind, seed)
+    picked["plain colour"] = plain_shape_items(per_kind, "test", seed)
     return [(kind, item) for kind in KINDS for item in picked[kind]]
-
-
-def plain_colour_items(count: int, seed: int = 0) -> list[ImageItem]:
-    """One large shape (40-70% of the width, near the middle) of each colour in turn on a white, grey or pale
-    background: what a new user tries first."""
-    rng = random.Random(f"plain-colour-{seed}")
-    items = []
-    for index in range(count):
-        color = list(SHAPE_COLORS)[index % len(SHAPE_COLORS)]
-        background = rng.choice([[255, 255, 255], [200, 200, 200], light_color(rng)])
-        image, draw = new_canvas(background)
-        size = rng.uniform(0.4, 0.7) * CANVAS_SIZE
-        x, y = (CANVAS_SIZE / 2 + rng.uniform(-0.1, 0.1) * CANVAS_SIZE for _ in range(2))
-        draw_shape(draw, rng.choice(SHAPE_KINDS), x, y, size, SHAPE_COLORS[color])
-        items.append(ImageItem(image=image, question="What color is the shape?", answer=color, long_prompt="",
-                               family="plain", split="test", item_id=f"plain-colour-{index:03d}", options=(),
-                               meta={"background": background}, description=""))
-    return items
 
 
 def easy_vqa_kind(question: easy_vqa.EasyVqaQuestion) -> str:

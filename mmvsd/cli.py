@@ -162,6 +162,8 @@ def _add_lab(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--num-images", type=_positive_int, default=2400, help="generated training images (default 2400)")
     b.add_argument("--easy-vqa-images", type=int, default=4000,
                    help="easy-vqa train images among the training conversations (default 4000, all; 0: none)")
+    b.add_argument("--plain-images", type=int, default=800,
+                   help="images of one large shape on a plain background in the generator's colours (default 800)")
     b.add_argument("--align-steps", type=int, default=800, help="steps of the first stage (per-patch word targets)")
     b.add_argument("--lora-rank", type=int, default=8,
                    help="rank of the language model's low-rank adapters trained in the second stage (0: projector only)")
@@ -369,10 +371,13 @@ def run_lab(args: argparse.Namespace) -> None:
     from mmvsd.lab.projector_training import ProjectorTraining, build_projector  # CLI start-up: loaded per command
     from mmvsd.lab.smol_llava import built_projector_dir  # CLI start-up: loaded per command
 
-    if min(args.max_steps, args.align_steps, args.lora_rank, args.easy_vqa_images) < 0 or args.minutes <= 0:
-        raise UserError("--minutes must be > 0, --max-steps, --align-steps, --lora-rank and --easy-vqa-images >= 0")
+    counts = (args.max_steps, args.align_steps, args.lora_rank, args.easy_vqa_images, args.plain_images)
+    if min(counts) < 0 or args.minutes <= 0:
+        raise UserError("--minutes must be > 0, --max-steps, --align-steps, --lora-rank, --easy-vqa-images and "
+                        "--plain-images >= 0")
     settings = ProjectorTraining(minutes=args.minutes, max_steps=args.max_steps, num_images=args.num_images,
-                                 easy_vqa_images=args.easy_vqa_images, align_steps=args.align_steps,
+                                 easy_vqa_images=args.easy_vqa_images, plain_images=args.plain_images,
+                                 align_steps=args.align_steps,
                                  lora_rank=args.lora_rank, precision=args.precision, seed=args.seed)
     output = Path(args.output) if args.output else built_projector_dir()
     build_projector(settings, output)

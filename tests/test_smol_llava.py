@@ -120,9 +120,9 @@ def test_training_loss_equals_transformers_forward(fresh_smol_llava):
     the stock LLaVA forward on the processor's inputs."""
     model, processor = fresh_smol_llava
     settings = training.ProjectorTraining(num_images=6, family_weights={"vqav2": 1, "chartqa": 1},
-                                          easy_vqa_images=2, caption_share=0.3, seed=1)
+                                          easy_vqa_images=2, plain_images=2, caption_share=0.3, seed=1)
     items, _ = training.training_items(settings)
-    assert [item.family for item in items[-2:]] == ["easy-vqa", "easy-vqa"]
+    assert [item.family for item in items[-4:]] == ["plain", "plain", "easy-vqa", "easy-vqa"]
     prefix_ids, examples = training.make_examples(processor, items, settings)
     assert len({len(e.token_ids) for e in examples}) > 1  # padding is exercised
     assert any(len(e.turns) > 1 for e in examples) and any(e.caption for e in examples)
@@ -163,11 +163,13 @@ def test_processor_gives_49_image_tokens_and_tower_pixels(fresh_smol_llava):
 def test_build_target_cli(tmp_path, capsys):
     out = tmp_path / "projector"
     code = main(["lab", "build-target", "smol-llava", "--max-steps", "2", "--num-images", "8", "--align-steps", "3",
-                 "--easy-vqa-images", "3", "--precision", "bf16", "--output", str(out)])
+                 "--easy-vqa-images", "3", "--plain-images", "2", "--precision", "bf16", "--output", str(out)])
     assert code == 0
     manifest = json.loads((out / PROJECTOR_MANIFEST).read_text())
     assert manifest["training"]["steps"] == 2
-    assert manifest["training"]["examples"]["easy-vqa"] == 3 and manifest["training"]["precision"] == "bf16"
+    assert manifest["training"]["examples"] == {"generated": 8, "plain shapes": 2, "easy-vqa": 3,
+                                                "easy-vqa unreadable, skipped": 0}
+    assert manifest["training"]["precision"] == "bf16"
     load_projector(out, hidden_size=576)
     assert "projector written to" in capsys.readouterr().out
 
@@ -240,7 +242,7 @@ def test_alignment_makes_shape_patches_read_as_their_colour_and_side_words(fresh
     nearer to its own colour word than to any other colour, and to its own side word than to the other."""
     model, processor = fresh_smol_llava
     settings = training.ProjectorTraining(num_images=40, family_weights={"vqav2": 1}, easy_vqa_images=0,
-                                          align_steps=120)
+                                          plain_images=0, align_steps=120)
     items = [item for item in training.training_items(settings)[0] if "shapes" in item.meta]
     features, _, _ = training.standardise(training.image_features(model, processor, items))
     saved = {k: v.clone() for k, v in smol_llava.projector(model).state_dict().items()}

@@ -72,7 +72,7 @@ def chart_questions(meta: dict) -> list[tuple[str, str]]:
 
 def extra_questions(item: ImageItem, rng: random.Random, limit: int) -> list[tuple[str, str]]:
     """Up to `limit` more (question, answer) pairs about the item's image, other than its own question."""
-    if item.family in ("vqav2", "hallusion") and "shapes" in item.meta:
+    if "shapes" in item.meta:  # shape scenes and plain shapes
         pool = shape_questions(item.meta["shapes"], rng)
     elif item.family == "chartqa":
         pool = chart_questions(item.meta)

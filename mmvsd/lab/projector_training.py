@@ -22,6 +22,7 @@ import copy
 import math
 import random
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from mmvsd.adapters.llava import patch_embeddings
 from mmvsd.data.images import FAMILIES, ImageItem, generate_items
 from mmvsd.lab.easy_vqa_items import easy_vqa_items
 from mmvsd.lab.lora import add_lora, lora_state, merge_lora
+from mmvsd.lab.plain_shapes import PLAIN_FAMILY, plain_shape_items
 from mmvsd.lab.projector_questions import (
     ALIGN_WORDS,
     BACKGROUND_WORD,
@@ -63,6 +65,7 @@ class ProjectorTraining:
     warmup_steps: int = 20
     num_images: int = 2400  # generated training images, shared among families by family_weights
     easy_vqa_images: int = 4000  # easy-vqa train images (all 4000 by default; 0: none), each with all its questions
+    plain_images: int = 800  # one large shape in the generator's colours on a plain background (lab.plain_shapes)
     caption_share: float = 0.1  # examples that ask for a brief description instead of questions
     questions_per_image: int = 8  # question turns per example (the item's own, then extras from meta)
     align_steps: int = 800  # first stage: per-patch word targets on shape scenes, no language model
@@ -158,14 +161,15 @@ def make_examples(processor: LlavaProcessor, items: list[ImageItem], settings: P
 
 
 def training_items(settings: ProjectorTraining) -> tuple[list[ImageItem], list[int]]:
-    """(generated train-split items of each family in proportion to family_weights, then the easy-vqa train
-    images; ids of the easy-vqa images that could not be read, skipped)."""
+    """(generated train-split items of each family in proportion to family_weights, the plain-shape items,
+    then the easy-vqa train images; ids of the easy-vqa images that could not be read, skipped)."""
     items, skipped = [], []
     total = sum(settings.family_weights.values())
     for family, weight in settings.family_weights.items():
         if family not in FAMILIES:
             raise ValueError(f"unknown image family {family!r}")
         items += generate_items(family, "train", round(settings.num_images * weight / total), settings.seed)
+    items += plain_shape_items(settings.plain_images, "train", settings.seed)
     if settings.easy_vqa_images:
         easy, skipped = easy_vqa_items("train", settings.easy_vqa_images, settings.seed)
         items += easy
@@ -349,8 +353,8 @@ def train_projector(model: LlavaForConditionalGeneration, processor: LlavaProces
     adapters = lora_state(model.model.language_model)
     merge_lora(model.model.language_model)
     summary = {"settings": asdict(settings), "precision": "bf16" if bf16 else "fp32",
-               "examples": {"generated": len(items) - sum(i.family == EASY_VQA_FAMILY for i in items),
-                            "easy-vqa": sum(i.family == EASY_VQA_FAMILY for i in items),
+               "examples": {**Counter("easy-vqa" if i.family == EASY_VQA_FAMILY else "plain shapes"
+                                      if i.family == PLAIN_FAMILY else "generated" for i in items),
                             "easy-vqa unreadable, skipped": len(skipped)},
                "align_loss": round(align_loss, 4), "steps": step,
                "examples_seen": step * settings.batch_size, "final_loss": sum(losses[-50:]) / max(1, len(losses[-50:])),
