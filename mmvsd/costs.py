@@ -130,7 +130,7 @@ def _interp_batch(value_by_batch: dict[int, float], batch: int) -> float:
 # ---------------------------------------------------------------------------------------------- measuring
 
 
-def _typical(values: list[float]) -> float:
+def typical(values: list[float]) -> float:
     """The lower quartile of repeated timings: like the median for steady timings, but a process
     preempted in up to 3/4 of the rounds (a shared 2-core machine) still gets its real cost."""
     return sorted(values)[(len(values) - 1) // 4]
@@ -141,7 +141,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(device: torch.device, fn) -> float:
+def timed(device: torch.device, fn) -> float:
     """Wall seconds of fn(), with the device's queue drained before and after."""
     _sync(device)
     start = time.perf_counter()
@@ -203,12 +203,12 @@ def _measure_target(target: Target, cache: RaggedCache, need_aux: bool, tokens: 
     samples: dict[int, list[float]] = {n: [] for n in tokens}
     for round_index in range(repeats + 1):  # round 0 warms up
         for n in tokens:
-            seconds = _timed(target.device, lambda n=n: _verify_step(target, cache, trees[n], need_aux))
+            seconds = timed(target.device, lambda n=n: _verify_step(target, cache, trees[n], need_aux))
             _rewind(cache, lens)
             if round_index:
                 samples[n].append(seconds)
             tick()
-    return tuple(_typical(samples[n]) for n in tokens)
+    return tuple(typical(samples[n]) for n in tokens)
 
 
 def _draft_inputs(drafter, out, ids: Tensor, width: int) -> DraftInputs:
@@ -243,17 +243,17 @@ def _measure_drafter(drafter, target: Target, out, ids: Tensor, widths: tuple[in
     for round_index in range(repeats + 1):  # round 0 warms up
         session = drafter.new_session(batch)
         session.advance(prompt_inputs)
-        seconds = _timed(device, lambda s=session: fixed_step(s))
+        seconds = timed(device, lambda s=session: fixed_step(s))
         if round_index:
             fixed.append(seconds)
         for width in widths:
             session.root_candidates(DRAFT_TOPK)  # (re)starts a round at the root
-            seconds = _timed(device, lambda s=session, w=width: expand(s, w))
+            seconds = timed(device, lambda s=session, w=width: expand(s, w))
             session.end_round()
             if round_index:
                 samples[width].append(seconds)
         tick()
-    return tuple(_typical(samples[w]) for w in widths), _typical(fixed)
+    return tuple(typical(samples[w]) for w in widths), typical(fixed)
 
 
 @torch.no_grad()

@@ -79,7 +79,7 @@ def extra_questions(item: ImageItem, rng: random.Random, limit: int) -> list[tup
     elif item.family == "textvqa":
         pool = text_questions(item.meta)
     elif item.family == EASY_VQA_FAMILY:
-        pool = [(question, answer) for question, answer in item.meta["questions"]]
+        pool = list(item.meta["questions"])
     else:
         return []
     pool = [(q, a) for q, a in pool if q != item.question]

@@ -24,6 +24,7 @@ import random
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, LlavaForConditionalGeneration, LlavaProcessor
 
 from mmvsd.adapters.llava import patch_embeddings
+from mmvsd.costs import timed, typical
 from mmvsd.data.images import FAMILIES, ImageItem, generate_items
 from mmvsd.lab.easy_vqa_items import easy_vqa_items
 from mmvsd.lab.lora import add_lora, lora_state, merge_lora
@@ -52,6 +54,8 @@ from mmvsd.lab.smol_llava import IMAGE_TOKEN, new_smol_llava, projector, save_pr
 SHORT_ANSWER = "Answer the question using a single word or phrase."
 LETTER_ANSWER = "Answer with the option's letter from the given choices directly."
 CAPTION_REQUEST = "Describe the image briefly."
+SOURCE_NAMES = {EASY_VQA_FAMILY: "easy-vqa", PLAIN_FAMILY: "plain shapes"}  # other families: "generated"
+CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -250,12 +254,7 @@ def use_bf16(precision: str, size: int = 768) -> bool:
     seconds = {}
     for dtype in (torch.float32, torch.bfloat16):
         a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-        times = []
-        for _ in range(5):
-            started = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - started)
-        seconds[dtype] = sorted(times)[2]
+        seconds[dtype] = typical([timed(CPU, partial(torch.matmul, a, b)) for _ in range(5)])
     return seconds[torch.float32] >= 1.5 * seconds[torch.bfloat16]
 
 
@@ -353,8 +352,7 @@ def train_projector(model: LlavaForConditionalGeneration, processor: LlavaProces
     adapters = lora_state(model.model.language_model)
     merge_lora(model.model.language_model)
     summary = {"settings": asdict(settings), "precision": "bf16" if bf16 else "fp32",
-               "examples": {**Counter("easy-vqa" if i.family == EASY_VQA_FAMILY else "plain shapes"
-                                      if i.family == PLAIN_FAMILY else "generated" for i in items),
+               "examples": {**Counter(SOURCE_NAMES.get(i.family, "generated") for i in items),
                             "easy-vqa unreadable, skipped": len(skipped)},
                "align_loss": round(align_loss, 4), "steps": step,
                "examples_seen": step * settings.batch_size, "final_loss": sum(losses[-50:]) / max(1, len(losses[-50:])),
