@@ -23,9 +23,14 @@ Stopping early: an answer whose prompt would not fit the context window (prompt 
 training run truncates there, so later answers would be generated only to be cut off; for the same
 reason an answer is generated only up to that length, plus a margin), or an empty answer, ends the
 conversation after its last regenerated assistant turn; a conversation left without an assistant turn
-is dropped. Assistant turns before the first user turn (greetings) are dropped. Conversations with an
-image are refused: `vanilla_generate` has no image input yet, and answers written without seeing the
-image would not be on-policy.
+is dropped. Assistant turns before the first user turn (greetings) are dropped.
+
+Images: a conversation with an image is answered *seeing* it, as decoding would: the image goes into the
+first user turn as the modality adapter's placeholder (as training renders it), the placeholder is
+expanded to its span and embedded by the adapter, and `vanilla_generate` takes the resulting `Prompt`.
+Without an adapter such conversations are refused (answers written without the image would not be
+on-policy). The adapter's name joins the cache key, so answers given through another adapter are never
+mixed in; text-only runs keep the key they always had.
 
 Cache (resume): a JSON Lines file, one line per finished conversation,
 `{"key": {target, temperature, max_new_tokens, max_prompt_tokens, seed}, "conv_id", "source", "status",
@@ -51,11 +56,13 @@ from typing import Any
 
 from tqdm import tqdm
 
+from mmvsd.adapter_base import ModalityAdapter, Prompt
 from mmvsd.data.conversations import Conversation, Turn
 from mmvsd.decode import DecodeConfig, vanilla_generate
 from mmvsd.errors import UserError
 from mmvsd.files import cache_root
 from mmvsd.target import Target
+from mmvsd.train_media import with_placeholder
 
 logger = logging.getLogger(__name__)
 
@@ -95,11 +102,13 @@ class _Rebuild:
     source: Conversation
     turns: list[Turn] = field(default_factory=list)
     position: int = 0  # next source turn to rebuild
-    prompt_ids: list[int] | None = None
+    prompt: Prompt | None = None  # of the pending answer (its media embedded), None when none is pending
     status: str | None = None  # set when finished
 
-    def next_answer(self, target: Target, max_new_tokens: int, max_prompt_tokens: int | None = None) -> None:
-        """Copy system/user turns up to the next assistant turn and tokenize its prompt, or finish."""
+    def next_answer(self, target: Target, max_new_tokens: int, max_prompt_tokens: int | None = None,
+                    adapter: ModalityAdapter | None = None) -> None:
+        """Copy system/user turns up to the next assistant turn and build its prompt (the image through
+        `adapter`), or finish."""
         src = self.source.turns
         while self.position < len(src) and (src[self.position].role != "assistant" or not self._has_user()):
             if src[self.position].role != "assistant":  # an assistant turn before any user turn is dropped
@@ -108,16 +117,22 @@ class _Rebuild:
         if self.position == len(src):
             self.status = "complete"
             return
-        prompt_ids = target.encode_chat([{"role": turn.role, "content": turn.text} for turn in self.turns])
+        turns = self.turns
+        if self.source.image is not None:
+            turns = with_placeholder(Conversation(self.source.conv_id, turns), adapter.placeholder(target)).turns
+        prompt_ids = target.encode_chat([{"role": turn.role, "content": turn.text} for turn in turns])
+        if self.source.image is not None:
+            prompt_ids = adapter.expand(target, prompt_ids).token_ids
         too_long_for_training = max_prompt_tokens is not None and len(prompt_ids) >= max_prompt_tokens
         if too_long_for_training or len(prompt_ids) + max_new_tokens + 1 > target.max_positions:  # +1: lookahead
             self._stop("too_long")
             return
-        self.prompt_ids = prompt_ids
+        self.prompt = (adapter.embed(target, prompt_ids, [Path(self.source.image)]) if self.source.image is not None
+                       else Prompt(prompt_ids))
 
     def add_answer(self, text: str) -> None:
         """Record the target's answer to the pending prompt (an empty answer ends the conversation)."""
-        self.prompt_ids = None
+        self.prompt = None
         if not text.strip():
             self._stop("empty_answer")
             return
@@ -146,10 +161,12 @@ def source_digest(conv: Conversation) -> str:
 
 
 def cache_key(target: Target, temperature: float, max_new_tokens: int, seed: int,
-              max_prompt_tokens: int | None = None) -> dict[str, Any]:
-    """The settings a cache line was generated with; lines with another key are refused."""
-    return {"target": target.name, "temperature": float(temperature), "max_new_tokens": int(max_new_tokens),
-            "max_prompt_tokens": max_prompt_tokens, "seed": int(seed)}
+              max_prompt_tokens: int | None = None, adapter: str = "") -> dict[str, Any]:
+    """The settings a cache line was generated with; lines with another key are refused. `adapter`: the
+    modality adapter that fed the images (only where images were seen, so text-only keys stay as they were)."""
+    key = {"target": target.name, "temperature": float(temperature), "max_new_tokens": int(max_new_tokens),
+           "max_prompt_tokens": max_prompt_tokens, "seed": int(seed)}
+    return {**key, "adapter": adapter} if adapter else key
 
 
 def default_cache_path(key: dict[str, Any]) -> Path:
@@ -221,8 +238,8 @@ def _answer_pool(target: Target, jobs: list[_Rebuild], temperature: float, max_n
     for group in groups:
         call_seed = seed if temperature == 0 else group[0].answer_seed(seed)
         config = DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=call_seed)
-        budgets = [answer_budget(len(job.prompt_ids), max_new_tokens, max_prompt_tokens) for job in group]
-        results = vanilla_generate(target, [job.prompt_ids for job in group], config, row_max_new_tokens=budgets)
+        budgets = [answer_budget(len(job.prompt.token_ids), max_new_tokens, max_prompt_tokens) for job in group]
+        results = vanilla_generate(target, [job.prompt for job in group], config, row_max_new_tokens=budgets)
         for job, result in zip(group, results):
             job.add_answer(target.decode(result.output_ids))
             stats.num_tokens += len(result.output_ids)
@@ -231,14 +248,14 @@ def _answer_pool(target: Target, jobs: list[_Rebuild], temperature: float, max_n
 
 def _run_pool(target: Target, pending: list[Conversation], on_finish: Callable[[_Rebuild], None], *,
               temperature: float, max_new_tokens: int, max_prompt_tokens: int | None, batch_size: int,
-              seed: int, stats: RegenerateStats) -> None:
+              seed: int, stats: RegenerateStats, adapter: ModalityAdapter | None) -> None:
     """Rebuild `pending` with up to `batch_size` conversations in flight (answers counted in `stats`)."""
     queue = deque(_Rebuild(conv) for conv in pending)
     active: list[_Rebuild] = []
     while queue or active:
         while queue and len(active) < batch_size:
             job = queue.popleft()
-            job.next_answer(target, max_new_tokens, max_prompt_tokens)
+            job.next_answer(target, max_new_tokens, max_prompt_tokens, adapter)
             if job.status:
                 on_finish(job)
             else:
@@ -249,7 +266,7 @@ def _run_pool(target: Target, pending: list[Conversation], on_finish: Callable[[
         still_active = []
         for job in active:
             if job.status is None:
-                job.next_answer(target, max_new_tokens, max_prompt_tokens)
+                job.next_answer(target, max_new_tokens, max_prompt_tokens, adapter)
             if job.status:
                 on_finish(job)
             else:
@@ -257,16 +274,17 @@ def _run_pool(target: Target, pending: list[Conversation], on_finish: Callable[[
         active = still_active
 
 
-def _check_inputs(target: Target, conversations: Sequence[Conversation], batch_size: int) -> None:
-    """Refuse what regeneration cannot do: no tokenizer, a bad batch size, conversations with images."""
+def _check_inputs(target: Target, conversations: Sequence[Conversation], batch_size: int,
+                  adapter: ModalityAdapter | None) -> None:
+    """Refuse what regeneration cannot do: no tokenizer, a bad batch size, images without an adapter."""
     if target.tokenizer is None:
         raise UserError(f"target {target.name!r} has no tokenizer: regeneration needs one to render prompts")
     if batch_size < 1:
         raise UserError(f"batch_size must be >= 1, got {batch_size}")
     with_image = [conv.conv_id for conv in conversations if conv.image]
-    if with_image:
-        raise UserError(f"{len(with_image)} conversations have an image (e.g. {with_image[0]!r}); regeneration "
-                        "is text-only for now: drop them or train on their original answers")
+    if with_image and adapter is None:
+        raise UserError(f"{len(with_image)} conversations have an image (e.g. {with_image[0]!r}) and no modality "
+                        "adapter was given to show it to the target")
 
 
 def regenerate_conversations(
@@ -281,15 +299,18 @@ def regenerate_conversations(
     seed: int = 0,
     progress: bool = True,
     stats: RegenerateStats | None = None,
+    adapter: ModalityAdapter | None = None,
 ) -> list[Conversation]:
     """The conversations with every assistant turn rewritten by the target, in input order (resumable via the cache).
 
     `cache_path` None: the shared cache of these settings under the mmvsd cache (`default_cache_path`).
+    `adapter`: shows the images of conversations that have one (needed when any has).
     """
-    _check_inputs(target, conversations, batch_size)
+    _check_inputs(target, conversations, batch_size, adapter)
     DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature)  # validates both
     stats = stats if stats is not None else RegenerateStats()
-    key = cache_key(target, temperature, max_new_tokens, seed, max_prompt_tokens)
+    sees_images = adapter is not None and any(conv.image for conv in conversations)
+    key = cache_key(target, temperature, max_new_tokens, seed, max_prompt_tokens, adapter.name if sees_images else "")
     cache_path = Path(cache_path) if cache_path is not None else default_cache_path(key)
     records = read_cache(cache_path, key)
     conv_keys = [(conv.conv_id, source_digest(conv)) for conv in conversations]
@@ -311,7 +332,8 @@ def regenerate_conversations(
             bar.update(1)
 
         _run_pool(target, pending, on_finish, temperature=temperature, max_new_tokens=max_new_tokens,
-                  max_prompt_tokens=max_prompt_tokens, batch_size=batch_size, seed=seed, stats=stats)
+                  max_prompt_tokens=max_prompt_tokens, batch_size=batch_size, seed=seed, stats=stats,
+                  adapter=adapter)
     results = _collect(unique, records, stats)
     logger.info("%s (cache %s)", stats.summary(), cache_path)
     return [results[conv_key] for conv_key in conv_keys if conv_key in results]

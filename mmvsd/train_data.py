@@ -70,13 +70,11 @@ def load_examples(
     conversations = [conv for spec in data_specs(data) for conv in load_conversations(spec, limit=num_conversations or None)]
     train_convs, validation_convs = split_conversations(conversations, validation_fraction, seed)
     if regenerate != "none":
-        if any(conv.image is not None for conv in train_convs):
-            raise UserError("regenerate answers text conversations only; this dataset has images "
-                            "(use regenerate=none)")
+        images = any(conv.image is not None for conv in train_convs)
         train_convs = regenerate_conversations(  # answers past max_length would be cut off: not generated
             target, train_convs, cache_path=regenerate_cache, temperature=0.0 if regenerate == "greedy" else 1.0,
             max_new_tokens=regenerate_max_new_tokens, max_prompt_tokens=max_length, batch_size=regenerate_batch_size,
-            seed=seed, progress=progress,
+            seed=seed, progress=progress, adapter=media_adapter(target, adapter) if images else None,
         )
     train, dropped = render_all(target, train_convs, max_length, adapter)
     validation, dropped_validation = render_all(target, validation_convs, max_length, adapter)

@@ -340,3 +340,23 @@ def test_shipped_mllm_config_is_the_papers():
     config = load_train_config("llava_vispec_paper", {"target": "llava-1.5-13b", "init": "vispec", "output": "o"}, [])
     assert (config.drafter, config.objective, config.num_conversations, config.epochs) == ("vispec", "ce+vsd", 68000, 40)
     assert (config.learning_rate, config.loss.num_samples, config.loss.path_length) == (5e-6, 40, 7)
+
+
+def test_regeneration_answers_each_image_conversation_seeing_its_image(mild_llava, mm_data, tmp_path):
+    """On-policy data for MLLM drafters: regeneration shows the target the image, so its answers equal those
+    of decoding the same question with the image (mm_data's answers), and the cache key names the adapter."""
+    from mmvsd.data.conversations import load_conversations
+    from mmvsd.data.regenerate import read_cache, regenerate_conversations
+    from mmvsd.train_media import media_adapter
+
+    _, target = mild_llava
+    convs = load_conversations(f"llava-instruct:{mm_data}")
+    cache = tmp_path / "regen.jsonl"
+    rebuilt = regenerate_conversations(target, convs, cache_path=cache, max_new_tokens=24, batch_size=3,
+                                       progress=False, adapter=media_adapter(target))
+    expected = {str(r["id"]): r["conversations"][1]["value"] for r in json.loads(mm_data.read_text())}
+    with_image = [conv for conv in rebuilt if conv.image]
+    assert len(with_image) == 6 and all(conv.turns[-1].text == expected[conv.conv_id] for conv in with_image)
+    keys = {json.dumps(line["key"]) for line in map(json.loads, cache.read_text().splitlines())}
+    assert len(keys) == 1 and json.loads(keys.pop())["adapter"] == media_adapter(target).name
+    assert len(read_cache(cache, json.loads(cache.read_text().splitlines()[0])["key"])) == len(convs)

@@ -17,6 +17,7 @@ from mmvsd.data.images import generate_item
 from mmvsd.errors import UserError
 from mmvsd.lab import projector_training as training
 from mmvsd.lab import smol_llava
+from mmvsd.data.images import answer_sentence
 from mmvsd.lab.efficientnet import IMAGE_SIZE, NUM_FEATURES, pixel_values_from_image, smol_llava_config
 from mmvsd.lab.lora import add_lora, lora_state, merge_lora
 from mmvsd.lab.projector_questions import (
@@ -120,12 +121,16 @@ def test_training_loss_equals_transformers_forward(fresh_smol_llava):
     the stock LLaVA forward on the processor's inputs."""
     model, processor = fresh_smol_llava
     settings = training.ProjectorTraining(num_images=6, family_weights={"vqav2": 1, "chartqa": 1},
-                                          easy_vqa_images=2, plain_images=2, caption_share=0.3, seed=1)
+                                          easy_vqa_images=2, plain_images=2, caption_share=0.3,
+                                          long_share=0.3, seed=1)
     items, _ = training.training_items(settings)
     assert [item.family for item in items[-4:]] == ["plain", "plain", "easy-vqa", "easy-vqa"]
     prefix_ids, examples = training.make_examples(processor, items, settings)
     assert len({len(e.token_ids) for e in examples}) > 1  # padding is exercised
-    assert any(len(e.turns) > 1 for e in examples) and any(e.caption for e in examples)
+    assert any(len(e.turns) > 1 for e in examples) and {e.kind for e in examples} == {"questions", "caption", "long"}
+    long = next(e for e in examples if e.kind == "long")
+    item = items[long.image_index]
+    assert long.turns == ((item.long_prompt, f"{item.description} {answer_sentence(item)}"),)
     features = training.image_features(model, processor, items)
     cache = training.prefix_cache(model, prefix_ids)
     image_token_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)

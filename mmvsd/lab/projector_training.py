@@ -36,7 +36,7 @@ from transformers import DynamicCache, LlavaForConditionalGeneration, LlavaProce
 
 from mmvsd.adapters.llava import patch_embeddings
 from mmvsd.costs import timed, typical
-from mmvsd.data.images import FAMILIES, ImageItem, generate_items
+from mmvsd.data.images import FAMILIES, ImageItem, answer_sentence, generate_items
 from mmvsd.lab.easy_vqa_items import easy_vqa_items
 from mmvsd.lab.lora import add_lora, lora_state, merge_lora
 from mmvsd.lab.plain_shapes import PLAIN_FAMILY, plain_shape_items
@@ -71,6 +71,7 @@ class ProjectorTraining:
     easy_vqa_images: int = 4000  # easy-vqa train images (all 4000 by default; 0: none), each with all its questions
     plain_images: int = 800  # one large shape in the generator's colours on a plain background (lab.plain_shapes)
     caption_share: float = 0.1  # examples that ask for a brief description instead of questions
+    long_share: float = 0.25  # generated items that ask their long prompt, answered by description + answer
     questions_per_image: int = 8  # question turns per example (the item's own, then extras from meta)
     align_steps: int = 800  # first stage: per-patch word targets on shape scenes, no language model
     lora_rank: int = 8  # > 0: low-rank adapters on the language model's linear layers train with the projector
@@ -90,7 +91,7 @@ class Example:
     token_ids: list[int]  # image tokens, questions, assistant headers, answers, <|im_end|>s
     is_answer: list[bool]  # per token: an answer token (or its closing <|im_end|>), which carries the loss
     turns: tuple[tuple[str, str], ...]  # (user text, assistant text) of each turn
-    caption: bool  # asks for a brief description rather than questions
+    kind: str  # "questions", "caption" (a brief description) or "long" (the long prompt, answered at length)
 
 
 def user_text(question: str, options: tuple[str, ...] = ()) -> str:
@@ -137,10 +138,24 @@ def conversation_ids(processor: LlavaProcessor, turns: tuple[tuple[str, str], ..
     return full_ids, is_answer
 
 
-def example_turns(item: ImageItem, caption: bool, rng: random.Random, limit: int) -> tuple[tuple[str, str], ...]:
-    """A caption request, or the item's own question followed by extra questions about the same image."""
-    if caption:
+def example_kind(item: ImageItem, settings: ProjectorTraining, rng: random.Random) -> str:
+    """What an example asks: a brief description, the item's long prompt, or short questions."""
+    draw = rng.random()
+    if draw < settings.caption_share and item.description:
+        return "caption"
+    if draw < settings.caption_share + settings.long_share and item.description and item.long_prompt:
+        return "long"
+    return "questions"
+
+
+def example_turns(item: ImageItem, kind: str, rng: random.Random, limit: int) -> tuple[tuple[str, str], ...]:
+    """A caption request; the long prompt (as the `_long` speed tasks ask it), answered by the description and
+    the answer sentence, so the model writes at length when asked to; or the item's own question followed by
+    extra questions about the same image."""
+    if kind == "caption":
         return ((CAPTION_REQUEST, item.description),)
+    if kind == "long":
+        return ((item.long_prompt, f"{item.description} {answer_sentence(item)}"),)
     own = (user_text(item.question, item.options), assistant_text(item))
     extras = list(extra_questions(item, rng, limit - 1))  # the short-answer instruction was given once, above
     return (own, *extras)
@@ -153,14 +168,14 @@ def make_examples(processor: LlavaProcessor, items: list[ImageItem], settings: P
     image_id = processor.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     examples, prefix = [], None
     for index, item in enumerate(items):
-        caption = rng.random() < settings.caption_share and bool(item.description)
-        turns = example_turns(item, caption, rng, settings.questions_per_image)
+        kind = example_kind(item, settings, rng)
+        turns = example_turns(item, kind, rng, settings.questions_per_image)
         full_ids, is_answer = conversation_ids(processor, turns)
         image_at = full_ids.index(image_id)
         prefix = prefix or full_ids[:image_at]
         if full_ids[:image_at] != prefix:
             raise AssertionError("chat template does not give every example the same prefix")
-        examples.append(Example(index, full_ids[image_at:], is_answer[image_at:], turns, caption))
+        examples.append(Example(index, full_ids[image_at:], is_answer[image_at:], turns, kind))
     return prefix, examples
 
 
