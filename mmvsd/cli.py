@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mmvsd.errors import UserError
 from mmvsd.eval.bench_cli import add_bench_parser, run_bench_command
-from mmvsd.export import add_export_parser, run_export
+from mmvsd.export_cli import add_export_parser, run_export
 from mmvsd.files import atomic_file
 from mmvsd.prompts import read_prompt_file
 
@@ -112,8 +112,11 @@ def _add_eval_drafter(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", required=True, help="built-in name, local folder, .gguf file or HF id")
     p.add_argument("--drafter", help="as for generate (default: the target's shipped drafter)")
     p.add_argument("--prompt-file", required=True,
-                   help="JSONL file ('prompt' or MT-Bench 'turns' per line) or a built-in benchmark: mt_bench, "
-                        "humaneval, gsm8k (first user turns)")
+                   help="JSONL file ('prompt' or MT-Bench 'turns' per line), a built-in benchmark: mt_bench, "
+                        "humaneval, gsm8k (first user turns), or an image task with its images, e.g. "
+                        "vqav2_val_mini_long (an lmms-eval task or one of mmvsd's offline minis)")
+    p.add_argument("--adapter", default="", help="modality adapter that feeds image tasks' images (default: the "
+                                                 "first registered one that fits the target)")
     p.add_argument("--limit", type=int, default=0, help="first N prompts (0: all)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=256)
     add_tree_arguments(p, default="60/7/10")
@@ -268,7 +271,6 @@ def run_eval_drafter(args: argparse.Namespace) -> None:
     from mmvsd.tree import TreeShape  # CLI start-up: loaded per command
 
     shape = tree_from_args(args)
-    texts = evaluate.load_eval_texts(args.prompt_file, args.limit)
     spec = args.drafter or implicit_drafter_spec(args.target)
     if spec == "none":
         raise UserError("--drafter none drafts nothing: there is no acceptance to measure")
@@ -279,7 +281,7 @@ def run_eval_drafter(args: argparse.Namespace) -> None:
         from mmvsd.shape_policy import AcceptanceStats, AutoShape  # CLI start-up: loaded per command
 
         shape = AutoShape(load_cost_table(target, drafter, batch_sizes=(1,)), AcceptanceStats())
-    prompts = [target.encode_prompt(text) for text in texts]
+    prompts = evaluate.load_eval_prompts(target, args.prompt_file, args.limit, args.adapter)
     evaluate.check_eval_prompts(target, prompts, args.max_new_tokens, shape)
     start = time.perf_counter()
     make = evaluate.greedy_continuations if args.no_cache else evaluate.cached_greedy_continuations

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,11 +28,13 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from mmvsd.adapter_base import padded_embeds, span_ids
+from mmvsd.adapter_base import Prompt, padded_embeds, span_ids
+from mmvsd.adapters import choose_adapter
 from mmvsd.decode import DecodeConfig, PromptLike, as_prompts, vanilla_generate
 from mmvsd.draft_session import DraftSession
 from mmvsd.drafter_base import Drafter, DraftInputs, PairMedia
 from mmvsd.errors import UserError
+from mmvsd.eval.mllm_suite import MINI_NAMES, REAL_TASKS
 from mmvsd.eval.suites import TEXT_BENCHMARKS, load_items
 from mmvsd.features import TokenBatch, capture_features
 from mmvsd.files import atomic_file, cache_root
@@ -332,6 +335,33 @@ def _record_step(results, live: Tensor, root_index: Tensor, num_accepted: Tensor
 # ----------------------------------------------------------------------------- command line helpers
 
 
+def load_eval_prompts(target: Target, spec: str, limit: int = 0, adapter: str = "") -> list[Prompt]:
+    """The target's prompts of `spec` (first `limit`, 0: all): the texts of `load_eval_texts`, or an image
+    benchmark's first turns (an lmms-eval task, e.g. the offline `vqav2_val_mini_long`) with their images
+    through the modality adapter (`adapter`, or the first that can feed the target)."""
+    if Path(spec).exists() or spec in TEXT_BENCHMARKS or spec not in image_benchmarks():
+        return [Prompt(target.encode_prompt(text)) for text in load_eval_texts(spec, limit)]
+    if limit < 0:
+        raise UserError(f"--limit must be >= 0, got {limit}")
+    feeder = choose_adapter(target, adapter, "image")
+    prompts = []
+    with tempfile.TemporaryDirectory(prefix="mmvsd-eval-") as folder:  # the adapter reads image files
+        for number, item in enumerate(load_items(spec, limit)):
+            paths = []
+            for index, image in enumerate(item.images):
+                paths.append(Path(folder) / f"{number}-{index}.png")
+                image.save(paths[-1])
+            prompts.append(feeder.encode(target, item.turns[0], paths))
+    if not prompts:
+        raise UserError(f"no prompts in {spec}")
+    return prompts
+
+
+def image_benchmarks() -> tuple[str, ...]:
+    """Benchmark names `load_eval_prompts` reads with images: the lmms-eval tasks and their offline minis."""
+    return (*REAL_TASKS, *MINI_NAMES)
+
+
 def load_eval_texts(spec: str, limit: int = 0) -> list[str]:
     """Prompt texts of `spec`: a JSONL prompt file (`prompt` or MT-Bench `turns`), or a built-in text
     benchmark (mt_bench, humaneval, gsm8k: their first user turns); the first `limit` (0: all)."""
@@ -340,7 +370,8 @@ def load_eval_texts(spec: str, limit: int = 0) -> list[str]:
     if not Path(spec).exists() and spec in TEXT_BENCHMARKS:
         texts = [item.turns[0] for item in load_items(spec, limit)]
     elif not Path(spec).exists():
-        raise UserError(f"prompt file not found: {spec} (or name a built-in benchmark: {', '.join(TEXT_BENCHMARKS)})")
+        raise UserError(f"prompt file not found: {spec} (or name a built-in benchmark: "
+                        f"{', '.join((*TEXT_BENCHMARKS, *image_benchmarks()))})")
     else:
         texts = read_prompt_file(spec)
         texts = texts[:limit] if limit > 0 else texts
@@ -377,7 +408,7 @@ class TauMonitor:
     def __init__(self, target: Target, prompt_spec: str, limit: int, max_new_tokens: int, shape: TreeShape,
                  batch_size: int = 8) -> None:
         self.target = target
-        self.prompts = [target.encode_prompt(text) for text in load_eval_texts(prompt_spec, limit)]
+        self.prompts = load_eval_prompts(target, prompt_spec, limit)
         check_eval_prompts(target, self.prompts, max_new_tokens, shape)
         self.max_new_tokens = max_new_tokens
         self.shape = shape

@@ -71,7 +71,8 @@ class TrainConfig:
     progress: bool = True
     # validation tau (mmvsd.evaluate: exact T=0 acceptance on held-out prompts, logged as val/tau)
     eval_every: int = 0  # optimizer steps between evaluations (0: off); also after the last step
-    eval_prompts: str = "mt_bench"  # a JSONL prompt file or a built-in benchmark (mt_bench, humaneval, gsm8k)
+    eval_prompts: str = "mt_bench"  # a JSONL prompt file, a built-in benchmark (mt_bench, humaneval, gsm8k) or an
+    # image task (e.g. vqav2_val_mini_long), as `mmvsd eval-drafter --prompt-file` takes
     eval_limit: int = 20  # first N prompts
     eval_max_new_tokens: int = 128
     eval_tree: str = "60/7/10"  # BUDGET/DEPTH/TOPK

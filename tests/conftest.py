@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,20 @@ from mmvsd.target import Target
 from mmvsd.unroll import shifted, unroll_draft_steps
 
 TINY_VOCAB = 128
+
+
+@pytest.fixture(autouse=True, scope="session")
+def profiles_in_a_temporary_folder(tmp_path_factory):
+    """Cost profiles that tests measure go to a temporary folder, never the user's mmvsd cache (a test that
+    sets MMVSD_CACHE keeps them under its own cache, as mmvsd does)."""
+    from mmvsd import costs, files
+
+    folder = tmp_path_factory.mktemp("profiles")
+    patch = pytest.MonkeyPatch()
+    patch.setattr(costs, "profiles_dir",
+                  lambda: files.cache_root() / "profiles" if os.environ.get("MMVSD_CACHE") else folder)
+    yield
+    patch.undo()
 
 
 def make_tiny_llama(seed: int = 0, vocab: int = TINY_VOCAB, attn: str = "sdpa") -> LlamaForCausalLM:

@@ -274,3 +274,26 @@ def test_eval_drafter_cli_takes_tree_auto(tiny_dir, tmp_path, capsys, monkeypatc
     assert code == 0, err
     assert "tree auto" in out and "nodes per step" in out
     assert json.loads((tmp_path / "a.json").read_text())["tree"] == "auto"
+
+
+def test_image_tasks_are_read_with_their_images(llava_target, llava_dir, tmp_path, capsys, monkeypatch):
+    """`--prompt-file vqav2_val_mini_long` gives the task's first turns with their images, as the bench encodes
+    them (the adapter's prompt of the item's text and image), and eval-drafter replays them."""
+    from mmvsd.adapters import choose_adapter
+    from mmvsd.eval.suites import load_items
+    from mmvsd.evaluate import load_eval_prompts
+
+    prompts = load_eval_prompts(llava_target, "vqav2_val_mini_long", limit=2)
+    items = load_items("vqav2_val_mini_long", 2)
+    adapter = choose_adapter(llava_target, "", "image")
+    for prompt, item in zip(prompts, items, strict=True):
+        item.images[0].save(tmp_path / "x.png")
+        expected = adapter.encode(llava_target, item.turns[0], [tmp_path / "x.png"])
+        assert len(prompt.spans) == 1 and prompt.token_ids == expected.token_ids
+        assert torch.equal(prompt.inputs_embeds, expected.inputs_embeds)
+    monkeypatch.setenv("MMVSD_CACHE", str(tmp_path / "cache"))
+    code, out, err = run_cli(capsys, "eval-drafter", "--target", str(llava_dir), "--drafter", "random",
+                             "--prompt-file", "vqav2_val_mini_long", "--limit", "2", "--max-new-tokens", "6",
+                             "--tree", "6/2/2", "--json", str(tmp_path / "e.json"))
+    assert code == 0, err
+    assert json.loads((tmp_path / "e.json").read_text())["num_prompts"] == 2

@@ -124,3 +124,13 @@ def test_function_level_imports_say_why(name):
     silent = [f"{path.name}:{node.lineno}: {lines[node.lineno - 1].strip()}"
               for node in function_imports(ast.parse(path.read_text())) if "#" not in lines[node.lineno - 1]]
     assert not silent, f"function-level imports without a reason (move them up or say why): {silent}"
+
+
+def test_the_command_line_starts_without_torch():
+    """`mmvsd --help` and argument errors answer at once: the CLI module loads no model code."""
+    import subprocess
+    import sys
+
+    code = "import sys, mmvsd.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT.parent)
+    assert out.stdout.strip() == "[]"

@@ -17,7 +17,8 @@ from mmvsd.drafter_init import resolve_init
 from mmvsd.drafters import load_drafter
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.errors import UserError
-from mmvsd.export import add_export_parser, export_drafter, run_export
+from mmvsd.export import export_drafter
+from mmvsd.export_cli import add_export_parser, run_export
 from mmvsd.layout_registry import LAYOUTS, layout
 from mmvsd.target import Target
 from mmvsd.train_config import TrainConfig

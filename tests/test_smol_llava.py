@@ -13,11 +13,10 @@ from transformers import AutoProcessor, LlamaConfig, LlavaForConditionalGenerati
 from mmvsd.cli import main
 from mmvsd.data import easy_vqa
 from mmvsd.data.image_families import SHAPE_COLORS
-from mmvsd.data.images import generate_item
+from mmvsd.data.images import answer_sentence, generate_item
 from mmvsd.errors import UserError
 from mmvsd.lab import projector_training as training
 from mmvsd.lab import smol_llava
-from mmvsd.data.images import answer_sentence
 from mmvsd.lab.efficientnet import IMAGE_SIZE, NUM_FEATURES, pixel_values_from_image, smol_llava_config
 from mmvsd.lab.lora import add_lora, lora_state, merge_lora
 from mmvsd.lab.projector_questions import (
