@@ -33,7 +33,7 @@ on-policy). The adapter's name joins the cache key, so answers given through ano
 mixed in; text-only runs keep the key they always had.
 
 Cache (resume): a JSON Lines file, one line per finished conversation,
-`{"key": {target, temperature, max_new_tokens, max_prompt_tokens, seed}, "conv_id", "source", "status",
+`{"key": {target, temperature, max_new_tokens, max_prompt_tokens, seed[, adapter]}, "conv_id", "source", "status",
 "turns": [{"role", "text"}, ...], "image"}`, where `source` is a digest of the input conversation (so
 duplicate ids or an edited dataset never pick up a wrong entry) and `status` is complete / too_long /
 empty_answer. Lines are appended and flushed one by one, so an interrupted run loses only the

@@ -221,7 +221,8 @@ class Eagle1Drafter(Drafter):
                              f"({self.config.vocab_size} ids)")
 
     def draft_logits(self, hidden: Tensor) -> Tensor:
-        return F.linear(hidden[..., : self.config.hidden_size], self.lm_head.weight.detach())
+        weight = self.lm_head.weight.detach()  # the target's, in its dtype (bf16 targets: bf16 logits)
+        return F.linear(hidden[..., : self.config.hidden_size].to(weight.dtype), weight)
 
     def draft_logprobs(self, hidden: Tensor) -> Tensor:
         return torch.log_softmax(self.draft_logits(hidden).float(), dim=-1)

@@ -143,13 +143,14 @@ def ce_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: Objec
     total = torch.zeros((), device=target_logits.device)
     metrics: Metrics = {}
     for step, hidden in enumerate(hiddens):
-        step_logits = shifted(target_logits, step + 1)
         mask = shifted(tokens.loss_mask, step + 2, False) & shifted(top1_in_vocab, step + 1, False)
-        draft_logprobs = drafter.draft_logprobs(hidden)  # [B, T, Vd]
-        soft_ce = -(torch.softmax(step_logits, -1) * draft_logprobs).sum(-1)  # [B, T]
+        # only the positions that count go through the draft LM head (prompts and image spans do not)
+        step_logits = shifted(target_logits, step + 1)[mask]  # [N, Vd]
+        draft_logprobs = drafter.draft_logprobs(hidden[mask])  # [N, Vd]
+        soft_ce = -(torch.softmax(step_logits, -1) * draft_logprobs).sum(-1)  # [N]
         count = mask.sum().clamp(min=1)
-        total = total + config.ttt_decay**step * (soft_ce * mask).sum() / count
-        correct = (draft_logprobs.argmax(-1) == step_logits.argmax(-1)) & mask
+        total = total + config.ttt_decay**step * soft_ce.sum() / count
+        correct = draft_logprobs.argmax(-1) == step_logits.argmax(-1)
         metrics[f"acc_{step}"] = float(correct.sum() / count)
     metrics["ce"] = float(total.detach())
     return total, metrics

@@ -52,7 +52,8 @@ class TrainConfig:
     grad_accum: int = 1
     epochs: float = 1.0
     max_steps: int = 0  # optimizer steps; > 0 overrides epochs
-    max_minutes: float = 0.0  # > 0: also stop (checkpoint and publish) after this much wall-clock time
+    max_minutes: float = 0.0  # > 0: also stop (checkpoint and publish) after this much wall-clock time (per
+    # process: a resumed run may be given another budget)
     learning_rate: float = 1e-4
     warmup_ratio: float = 0.02
     schedule: str = "cosine"  # cosine (to min_lr_ratio x peak) | linear (to 0)

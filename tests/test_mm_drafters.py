@@ -360,3 +360,19 @@ def test_regeneration_answers_each_image_conversation_seeing_its_image(mild_llav
     keys = {json.dumps(line["key"]) for line in map(json.loads, cache.read_text().splitlines())}
     assert len(keys) == 1 and json.loads(keys.pop())["adapter"] == media_adapter(target).name
     assert len(read_cache(cache, json.loads(cache.read_text().splitlines()[0])["key"])) == len(convs)
+
+
+@pytest.mark.parametrize("name", ["msd", "vispec"])
+def test_drafters_run_against_a_bf16_target(llava_dir, name):
+    """A bf16 target (training's target_dtype=bf16, whose validation tau replays with it) lends its bf16 LM
+    head to an fp32 drafter: drafting casts, so evaluation and decoding run (they raised a dtype error)."""
+    from mmvsd.evaluate import evaluate_acceptance, greedy_continuations
+
+    target = load_target(str(llava_dir), dtype=torch.bfloat16)
+    adapter = adapter_for(target, "image")
+    prompts = [adapter.encode(target, "w5 w6", [llava_dir / "a.png"]), Prompt(target.encode_prompt("w7 w8"))]
+    drafter = drafter_class(name).from_target(target, seed=1).eval()
+    report = evaluate_acceptance(target, drafter, prompts, greedy_continuations(target, prompts, 8), TreeShape(6, 3, 2))
+    assert [p.new_tokens for p in report.prompts] == [8, 8]
+    decoded = speculative_generate(target, drafter, prompts, DecodeConfig(8, tree=TreeShape(6, 3, 2)))
+    assert all(len(r.output_ids) == 8 for r in decoded)

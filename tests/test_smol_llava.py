@@ -272,3 +272,25 @@ def test_alignment_makes_shape_patches_read_as_their_colour_and_side_words(fresh
     assert len(right["colour"]) > 100 and len(right["side"]) > 50
     assert sum(right["colour"]) / len(right["colour"]) > 0.8, right
     assert sum(right["side"]) / len(right["side"]) > 0.8, right
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("name", ["vispec-ce", "msd-ce"])
+def test_shipped_smol_llava_drafters_decode_image_prompts_losslessly(name, monkeypatch, tmp_path):
+    """The shipped MSD and ViSpec drafters for smol-llava (the shipped projector, not a rebuilt one) load by
+    name, decode image prompts of the chart task token for token as vanilla decoding does, and accept
+    several tokens per target forward (an untrained drafter accepts about one)."""
+    from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate
+    from mmvsd.drafter_spec import drafter_from_spec
+    from mmvsd.evaluate import load_eval_prompts
+    from mmvsd.target_loader import load_target
+    from mmvsd.tree import TreeShape
+
+    monkeypatch.setattr(smol_llava, "built_projector_dir", lambda: tmp_path / "none")  # the shipped projector
+    target = load_target("smol-llava")
+    prompts = load_eval_prompts(target, "chartqa_mini_long", limit=3)
+    drafter = drafter_from_spec(name, target, ngram=False)
+    decoded = speculative_generate(target, drafter, prompts, DecodeConfig(64, tree=TreeShape(60, 5, 8)))
+    assert [r.output_ids for r in decoded] == [r.output_ids for r in vanilla_generate(target, prompts, DecodeConfig(64))]
+    tau = sum(len(r.output_ids) for r in decoded) / sum(r.num_target_forwards for r in decoded)
+    assert tau > 1.5

@@ -152,7 +152,7 @@ def save_projector(model: LlavaForConditionalGeneration, folder: Path, training:
 
 
 def built_projector_dir() -> Path:
-
+    """Where `mmvsd lab build-target smol-llava` writes a projector (preferred over the shipped one)."""
     return cache_root() / NAME / "projector"
 
 
