@@ -86,7 +86,10 @@ def test_resume_ends_with_the_same_weights(setup, tmp_path, capsys, monkeypatch)
     monkeypatch.setattr(trainer, "_optimizer_step", real_step)
     code, err = train_cli(capsys, target, data, tmp_path / "cut", *common)
     assert code == 2 and "--resume" in err  # never silently restarts over an earlier run
-    assert train_cli(capsys, target, data, tmp_path / "cut", *common, "--resume")[0] == 0
+    code, err = train_cli(capsys, target, data, tmp_path / "cut", *common[:-1], "learning_rate=0.02", "--resume")
+    assert code == 2 and "settings differ (learning_rate: 0.01 -> 0.02)" in err
+    # a time budget is this process's own: a resumed run may get another one (max_minutes)
+    assert train_cli(capsys, target, data, tmp_path / "cut", *common, "max_minutes=30", "--resume")[0] == 0
     full = load_file(str(tmp_path / "full" / "model.safetensors"))
     resumed = load_file(str(tmp_path / "cut" / "model.safetensors"))
     assert full.keys() == resumed.keys()
