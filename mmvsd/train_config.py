@@ -137,6 +137,8 @@ def _coerce(key: str, value: Any, kind: Any) -> Any:
             pass
     if kind is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
+    if kind is str and isinstance(value, bool):  # YAML 1.1 reads on/off (media_curriculum=off) as booleans
+        return "on" if value else "off"
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise UserError(f"{key}: expected {kind.__name__}, got {value!r}")
     return value

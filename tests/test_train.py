@@ -199,6 +199,9 @@ def test_config_resolution_order(tmp_path):
     assert (config.loss.num_samples, config.loss.use_car, config.loss.path_length) == (3, False, 7)
     shipped = load_train_config("smollm2_cpu", {"output": "o"}, [])
     assert shipped.target == "smollm2-135m" and shipped.draft_vocab_size == 8192
+    # YAML 1.1 reads on/off as booleans: a text setting takes them back as the words
+    assert load_train_config(None, {"target": "a", "output": "o"}, ["media_curriculum=off"]).media_curriculum == "off"
+    assert load_train_config(None, {"target": "a", "output": "o"}, ["media_curriculum=on"]).media_curriculum == "on"
 
 
 def test_learning_rate_schedule_warmup_then_cosine_to_floor():
