@@ -285,6 +285,10 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
     drafter = build_drafter(config, target, source.examples)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
     steps = total_steps(config, len(source))
+    if config.max_minutes > 0 and uses_curriculum(config, drafter, source):
+        logger.warning("the media curriculum shows no media before step %d of %d; max_minutes=%g may end the run "
+                       "first (media_curriculum=off mixes them in from the start)", steps // 2, steps,
+                       config.max_minutes)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, steps))
     model, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
     state = TrainState()
@@ -383,10 +387,15 @@ def _optimizer_step(config, accelerator, model, optimizer, scheduler, objective,
     return totals
 
 
+def uses_curriculum(config: TrainConfig, drafter: Drafter, source) -> bool:
+    """Whether batches follow the media curriculum (asked for, or the drafter's default, and media to show)."""
+    asked = config.media_curriculum == "on" or (config.media_curriculum == "auto" and drafter.media_curriculum)
+    return asked and any(source.is_media)
+
+
 def micro_batch_indices(config: TrainConfig, drafter: Drafter, source, micro_step: int, num_steps: int) -> list[int]:
     """Examples of one micro-batch: shuffled epochs, or the media curriculum when it applies."""
-    use_curriculum = config.media_curriculum == "on" or (config.media_curriculum == "auto" and drafter.media_curriculum)
-    if use_curriculum and any(source.is_media):
+    if uses_curriculum(config, drafter, source):
         return curriculum_indices(source.is_media, config.batch_size, config.seed, micro_step,
                                   num_steps * config.grad_accum)
     return batch_indices(len(source), config.batch_size, config.seed, micro_step)

@@ -376,3 +376,21 @@ def test_drafters_run_against_a_bf16_target(llava_dir, name):
     assert [p.new_tokens for p in report.prompts] == [8, 8]
     decoded = speculative_generate(target, drafter, prompts, DecodeConfig(8, tree=TreeShape(6, 3, 2)))
     assert all(len(r.output_ids) == 8 for r in decoded)
+
+
+def test_a_time_budget_with_the_media_curriculum_is_warned(llava_dir, llava_target, tmp_path, caplog):
+    """MSD's curriculum shows media only in the second half of max_steps; a max_minutes budget can end the run
+    before that, so the run says so at the start (and not when media_curriculum=off)."""
+    import logging
+
+    data = write_image_conversations(llava_target, tmp_path, answers_from_target=False)
+    config = train_config(llava_dir, data, tmp_path / "msd", "msd", "ce", 2)
+    config.max_minutes = 30.0
+    with caplog.at_level(logging.WARNING, logger="mmvsd.trainer"):
+        train(config, target=llava_target)
+    assert "media curriculum shows no media before step 1 of 2" in caplog.text
+    caplog.clear()
+    config.media_curriculum, config.output = "off", str(tmp_path / "mixed")
+    with caplog.at_level(logging.WARNING, logger="mmvsd.trainer"):
+        train(config, target=llava_target)
+    assert "media curriculum" not in caplog.text
