@@ -32,13 +32,13 @@ import torch
 from tqdm import tqdm
 
 from mmvsd.adapter_base import Prompt
-from mmvsd.adapters import choose_adapter
 from mmvsd.baselines import hf_generate
 from mmvsd.decode import DecodeConfig, SequenceResult, speculative_generate, vanilla_generate
 from mmvsd.drafter_spec import drafter_from_spec
 from mmvsd.errors import UserError
 from mmvsd.eval.bench_config import BenchConfig, tree_shape
 from mmvsd.eval.bench_item import BenchItem
+from mmvsd.eval.media_writer import MediaWriter
 from mmvsd.eval.report import write_reports
 from mmvsd.eval.suites import (
     benchmark,
@@ -211,27 +211,6 @@ def make_prompt(target: Target, messages: list[dict], item: BenchItem, turn: int
         adapter, paths = media.files(target, item)
         return adapter.encode(target, item.turns[0], paths)
     return target.encode_chat(messages)
-
-
-class MediaWriter:
-    """Writes items' images once under OUT/images (kept with the results) for the modality adapter."""
-
-    def __init__(self, folder: Path, adapter_name: str) -> None:
-        self.folder = folder
-        self.adapter_name = adapter_name
-        self.adapter = None
-
-    def files(self, target: Target, item: BenchItem):
-        if self.adapter is None:
-            self.adapter = choose_adapter(target, self.adapter_name, "image")
-        paths = []
-        for index, image in enumerate(item.images):
-            path = self.folder / f"{item.benchmark}-{item.item_id}-{index}.png"
-            if not path.is_file():
-                self.folder.mkdir(parents=True, exist_ok=True)
-                image.save(path)
-            paths.append(path)
-        return self.adapter, paths
 
 
 def first_mismatch(target: Target, prompt, expected: list[int], got: list[int], turn: int) -> dict | None:

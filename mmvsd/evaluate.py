@@ -29,11 +29,11 @@ from torch import Tensor
 from tqdm import tqdm
 
 from mmvsd.adapter_base import Prompt, padded_embeds, span_ids
-from mmvsd.adapters import choose_adapter
 from mmvsd.decode import DecodeConfig, PromptLike, as_prompts, vanilla_generate
 from mmvsd.draft_session import DraftSession
 from mmvsd.drafter_base import Drafter, DraftInputs, PairMedia
 from mmvsd.errors import UserError
+from mmvsd.eval.media_writer import MediaWriter
 from mmvsd.eval.mllm_suite import MINI_NAMES, REAL_TASKS
 from mmvsd.eval.suites import TEXT_BENCHMARKS, load_items
 from mmvsd.features import TokenBatch, capture_features
@@ -343,14 +343,11 @@ def load_eval_prompts(target: Target, spec: str, limit: int = 0, adapter: str = 
         return [Prompt(target.encode_prompt(text)) for text in load_eval_texts(spec, limit)]
     if limit < 0:
         raise UserError(f"--limit must be >= 0, got {limit}")
-    feeder = choose_adapter(target, adapter, "image")
     prompts = []
     with tempfile.TemporaryDirectory(prefix="mmvsd-eval-") as folder:  # the adapter reads image files
-        for number, item in enumerate(load_items(spec, limit)):
-            paths = []
-            for index, image in enumerate(item.images):
-                paths.append(Path(folder) / f"{number}-{index}.png")
-                image.save(paths[-1])
+        media = MediaWriter(Path(folder), adapter)
+        for item in load_items(spec, limit):
+            feeder, paths = media.files(target, item)
             prompts.append(feeder.encode(target, item.turns[0], paths))
     if not prompts:
         raise UserError(f"no prompts in {spec}")

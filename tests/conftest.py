@@ -22,12 +22,12 @@ TINY_VOCAB = 128
 def profiles_in_a_temporary_folder(tmp_path_factory):
     """Cost profiles that tests measure go to a temporary folder, never the user's mmvsd cache (a test that
     sets MMVSD_CACHE keeps them under its own cache, as mmvsd does)."""
-    from mmvsd import costs, files
+    from mmvsd import costs
 
     folder = tmp_path_factory.mktemp("profiles")
+    in_the_cache = costs.profiles_dir
     patch = pytest.MonkeyPatch()
-    patch.setattr(costs, "profiles_dir",
-                  lambda: files.cache_root() / "profiles" if os.environ.get("MMVSD_CACHE") else folder)
+    patch.setattr(costs, "profiles_dir", lambda: in_the_cache() if os.environ.get("MMVSD_CACHE") else folder)
     yield
     patch.undo()
 
