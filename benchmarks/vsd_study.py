@@ -173,17 +173,18 @@ def train_all(args: argparse.Namespace, target, arms: list[Arm]) -> list[dict]:
 @dataclass
 class PromptSet:
     name: str
-    prompts: list  # token ids per prompt
+    prompts: list  # `Prompt` per prompt (token ids, and the media embeddings of image prompts)
     continuations: list[list[int]] | None = None  # the target's greedy continuations (T = 0)
 
 
 def load_prompt_sets(target, specs: list[str], limit: int, max_new_tokens: int) -> list[PromptSet]:
-    """Held-out prompts per benchmark (or prompt file) with the target's cached greedy continuations."""
-    from mmvsd.evaluate import cached_greedy_continuations, load_eval_texts
+    """Held-out prompts per benchmark, prompt file or image task (e.g. `vqav2_val_mini_long`, its images
+    through the target's modality adapter) with the target's cached greedy continuations."""
+    from mmvsd.evaluate import cached_greedy_continuations, load_eval_prompts
 
     sets = []
     for spec in specs:
-        prompts = [target.encode_prompt(text) for text in load_eval_texts(spec, limit)]
+        prompts = load_eval_prompts(target, spec, limit)
         sets.append(PromptSet(Path(spec).stem, prompts, cached_greedy_continuations(target, prompts, max_new_tokens)))
     return sets
 

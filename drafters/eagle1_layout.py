@@ -125,6 +125,14 @@ class MSDLayout(Eagle1Layout):
         "llava-hf/llava-1.5-13b-hf": "lucylyn/MSD-LLaVA1.5-13B",
     }
 
+    def extra_sizes(self, state: dict[str, Tensor], path: Path) -> dict:
+        """MSD's releases read the image embeddings raw; an export of ours records its `media_rms`."""
+        return {"media_rms": read_config(path).get("media_rms")}
+
+    def extra_config(self, drafter: MSDDrafter) -> dict:
+        rms = drafter.config.media_rms
+        return {} if rms is None else {"media_rms": rms}  # read by mmvsd only: MSD's own code ignores it
+
 
 class ViSpecLayout(Eagle1Layout):
     """ViSpec's releases (JLKang/ViSpec-*): EAGLE-1 weights plus the image adaptor and img_fc."""

@@ -119,6 +119,8 @@ def test_released_checkpoint_loads(llava_target, tmp_path, name, spec, nested):
     assert config.max_images == (1 if name == "msd" else None)  # MSD's drafters take one image per prompt
     if name == "vispec":
         assert config.num_q == NUM_Q  # from imadpt.q, not config.json
+    else:
+        assert config.media_rms is None  # MSD's releases read the image embeddings as the target does
     assert drafter.embed_tokens is llava_target.input_embeddings
     assert draft_outputs(drafter)[1].shape == (2, 3, V)
 

@@ -265,6 +265,24 @@ def test_msd_takes_one_image_per_prompt(fitted, mild_llava, llava_dir):
     speculative_generate(target, fitted["vispec"], [two_images], DecodeConfig(4))  # ViSpec takes any number
 
 
+def test_msd_reads_image_embeddings_at_its_media_rms(llava_target):
+    drafter = drafter_class("msd").from_target(llava_target, seed=2).eval()
+    assert drafter.config.media_rms == 1.0
+    torch.manual_seed(0)
+    size = llava_target.hidden_size
+    features, next_ids = torch.randn(1, 6, size), torch.randint(0, 50, (1, 6))
+    span_ids = torch.tensor([[-1, 0, 0, 0, -1, -1]])
+    embeds = torch.randn(1, 6, size)
+
+    def out(scale):
+        with torch.no_grad():
+            return step0(drafter, features, next_ids, PairMedia(embeds * scale, span_ids))[0]
+
+    assert torch.allclose(out(1.0), out(50.0), atol=1e-5)  # the scale of the projector's output is taken out
+    drafter.config.media_rms = None  # MSD as released: the raw embeddings, whose scale the layer sees
+    assert not torch.allclose(out(1.0), out(50.0), atol=1e-3)
+
+
 def test_training_examples_carry_the_projected_image(llava_target, tmp_path):
     from mmvsd.features import collate
     from mmvsd.train_data import load_examples

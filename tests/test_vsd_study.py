@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 import pytest
 
 from mmvsd.errors import UserError
@@ -100,3 +101,16 @@ def test_arm_specs_and_bad_arguments(study):
         study.check_args(bad, [study.parse_arm(s) for s in study.DEFAULT_ARMS])
     with pytest.raises(UserError, match="trains nothing"):  # every run's config is checked before training
         study.run_config(args, arms[1], 0, 5, Path("unused"))
+
+
+def test_image_tasks_are_study_prompt_sets_with_their_images(study, llava_target, tmp_path, monkeypatch):
+    """The multimodal pair of the study: an image task's prompts carry their images into the evaluator."""
+    from mmvsd.evaluate import load_eval_prompts
+
+    monkeypatch.setenv("MMVSD_CACHE", str(tmp_path / "cache"))
+    [prompt_set] = study.load_prompt_sets(llava_target, ["vqav2_val_mini_long"], limit=2, max_new_tokens=4)
+    expected = load_eval_prompts(llava_target, "vqav2_val_mini_long", limit=2)
+    assert prompt_set.name == "vqav2_val_mini_long" and len(prompt_set.continuations) == 2
+    for prompt, want in zip(prompt_set.prompts, expected, strict=True):
+        assert len(prompt.spans) == 1 and prompt.token_ids == want.token_ids
+        assert torch.equal(prompt.inputs_embeds, want.inputs_embeds)
