@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import torch
 import pytest
+import torch
 
 from mmvsd.errors import UserError
 
