@@ -31,7 +31,7 @@ from tqdm import tqdm
 from mmvsd.adapter_base import Prompt, padded_embeds, span_ids
 from mmvsd.decode import DecodeConfig, PromptLike, as_prompts, vanilla_generate
 from mmvsd.draft_session import DraftSession
-from mmvsd.drafter_base import Drafter, DraftInputs, PairMedia
+from mmvsd.drafter_base import Drafter, DraftInputs, PairMedia, target_to_draft_ids
 from mmvsd.errors import UserError
 from mmvsd.eval.media_writer import MediaWriter
 from mmvsd.eval.mllm_suite import MINI_NAMES, REAL_TASKS
@@ -78,6 +78,8 @@ class AcceptanceReport:
     accepted_counts: list[int]  # [depth + 1] tree steps that accepted exactly k draft tokens, k = 0..depth
     ties: list[Tie] = field(default_factory=list)
     num_mismatches: int = 0  # continuation tokens that are not the argmax of the one-forward logits
+    num_out_of_vocab: int | None = 0  # continuation tokens (after the first) outside the draft vocabulary
+    # (None: a proposer that may propose any token, e.g. n-gram lookup or its branches in a hybrid)
     nodes_verified: int = 0  # tree nodes (root included) over all rows' steps: the shape a plan chose
     seconds: float = 0.0
     tie_epsilon: float = TIE_EPSILON
@@ -91,6 +93,14 @@ class AcceptanceReport:
     def mean_tau(self) -> float:
         """Mean of the per-prompt tau values (as `mmvsd generate` prints them)."""
         return sum(p.tau for p in self.prompts) / max(len(self.prompts), 1)
+
+    @property
+    def draft_vocab_coverage(self) -> float | None:
+        """Share of the continuation tokens a draft could propose (the first comes from the prefill)."""
+        if self.num_out_of_vocab is None:
+            return None
+        draftable = sum(p.new_tokens - 1 for p in self.prompts)
+        return 1.0 - self.num_out_of_vocab / max(draftable, 1)
 
     @property
     def mean_nodes_per_step(self) -> float:
@@ -110,7 +120,8 @@ class AcceptanceReport:
             "target_forwards": sum(p.target_forwards for p in self.prompts),
             "acceptance_by_depth": self.acceptance_by_depth, "accepted_counts": self.accepted_counts,
             "tie_epsilon": self.tie_epsilon, "num_ties": len(self.ties), "ties": [asdict(t) for t in self.ties],
-            "num_mismatches": self.num_mismatches, "seconds": self.seconds,
+            "num_mismatches": self.num_mismatches, "draft_vocab_coverage": self.draft_vocab_coverage,
+            "seconds": self.seconds,
             "mean_nodes_per_step": self.mean_nodes_per_step,
             "prompts": [{**asdict(p), "tau": p.tau} for p in self.prompts],
         }
@@ -218,10 +229,16 @@ class _Replay:
 def _evaluate_chunk(target, drafter, prompts, continuations, shape, tie_epsilon, first, report) -> None:
     """Capture one chunk's features, check the continuations, walk it, add to `report`."""
     replay, target_ids, margins = _capture(target, drafter, prompts, continuations)
+    in_vocab = target_to_draft_ids(drafter, target.vocab_size) >= 0 if isinstance(drafter, Drafter) else None
     for row, cont in enumerate(continuations):
         base = int(replay.prompt_lens[row]) - 1  # the target chooses continuation[i] at position base + i
         chosen, margin = target_ids[row, base : base + len(cont)].tolist(), margins[row, base : base + len(cont)]
         report.num_mismatches += sum(a != b for a, b in zip(chosen, cont))
+        if in_vocab is None:
+            report.num_out_of_vocab = None
+        elif report.num_out_of_vocab is not None:
+            draftable = torch.tensor(cont[1:], dtype=torch.long, device=in_vocab.device)
+            report.num_out_of_vocab += int((~in_vocab[draftable]).sum())
         for pos in (margin < tie_epsilon).nonzero().flatten().tolist():
             report.ties.append(Tie(first + row, pos, float(margin[pos])))
     report.prompts += _walk(drafter, replay, shape, report)
@@ -391,6 +408,8 @@ def format_report(report: AcceptanceReport) -> str:
          f"{sum(p.new_tokens for p in report.prompts)} tokens, {sum(p.target_forwards for p in report.prompts)} "
          f"target forwards, {report.mean_nodes_per_step:.1f} nodes per step"),
         f"accepted >= d draft tokens, d = 1..{len(report.acceptance_by_depth)}: {by_depth}",
+        *([f"the draft vocabulary holds {report.draft_vocab_coverage:.1%} of the continuation's tokens (after "
+           "the first): no tree can accept the others"] if report.draft_vocab_coverage is not None else []),
         f"numerical ties (top-2 logit margin < {report.tie_epsilon:g}) on the greedy path: {len(report.ties)}"
         + (f"; continuation tokens that differ from the one-forward argmax: {report.num_mismatches}"
            if report.num_mismatches else ""),

@@ -297,3 +297,26 @@ def test_image_tasks_are_read_with_their_images(llava_target, llava_dir, tmp_pat
                              "--tree", "6/2/2", "--json", str(tmp_path / "e.json"))
     assert code == 0, err
     assert json.loads((tmp_path / "e.json").read_text())["num_prompts"] == 2
+
+
+def test_report_counts_continuation_tokens_outside_the_draft_vocabulary(tiny_target, fitted_drafter):
+    from mmvsd.drafters.eagle3 import Eagle3Drafter
+    from mmvsd.hybrid import with_ngram
+
+    continuations = greedy_continuations(tiny_target, PROMPTS, MAX_NEW)
+    shape = TreeShape(12, 4, 3)
+    half = tiny_target.vocab_size // 2
+    small = Eagle3Drafter.from_target(tiny_target, draft_vocab_size=half, seed=3).eval()
+    small.set_draft_vocab(torch.arange(0, 2 * half, 2))  # the even ids
+    report = evaluate_acceptance(tiny_target, small, PROMPTS, continuations, shape)
+    draftable = [tok for cont in continuations for tok in cont[1:]]
+    odd = sum(tok % 2 for tok in draftable)
+    assert 0 < odd < len(draftable) and report.num_out_of_vocab == odd
+    assert report.draft_vocab_coverage == pytest.approx(1 - odd / len(draftable))
+    assert report.to_dict()["draft_vocab_coverage"] == report.draft_vocab_coverage
+    assert "the draft vocabulary holds" in evaluate.format_report(report)
+    full = evaluate_acceptance(tiny_target, fitted_drafter, PROMPTS, continuations, shape)
+    assert full.draft_vocab_coverage == 1.0
+    hybrid = evaluate_acceptance(tiny_target, with_ngram(small), PROMPTS, continuations, shape, batch_size=1)
+    assert hybrid.draft_vocab_coverage is None  # n-gram branches may propose any token
+    assert "the draft vocabulary holds" not in evaluate.format_report(hybrid)
