@@ -5,13 +5,14 @@ At a pair whose next token is text the layer reads fc([embedding ; target hidden
 at a pair whose next token is an image token it reads that token's projected image embedding (what
 the target's language model reads there) directly, so visual and textual tokens are handled apart.
 
+Training uses MSD's two-stage curriculum (`media_curriculum`): text-only samples first, then a share
+of multimodal samples rising linearly to all of them.
+
 One departure, for targets whose projected image embeddings are far from the text inputs' scale (the
 layer has no input norm): `media_rms` rescales each image embedding to that root mean square before it
 enters (smol-llava's projector emits RMS ~58 where fc's text inputs sit near 1, and a drafter fed them
 raw trained to losses ~50x the text ones). New drafters use 1.0; None keeps MSD's raw embeddings, which
 is what MSD's released LLaVA-1.5 drafters expect (loading one in the `msd` layout gives None).
-Training uses MSD's two-stage curriculum (`media_curriculum`): text-only samples first, then a share
-of multimodal samples rising linearly to all of them.
 """
 
 from __future__ import annotations
