@@ -146,13 +146,16 @@ def train_run(args: argparse.Namespace, target, arm: Arm, seed: int, steps: int,
 
 
 def train_all(args: argparse.Namespace, target, arms: list[Arm]) -> list[dict]:
-    """Phase 1 (same steps) for every arm and seed, then phase 2 (same wall clock) for the others."""
+    """Phase 1 (same steps) for every arm and seed, then phase 2 (same wall clock) for the others,
+    unless only the same-steps budget is evaluated."""
     runs_dir = Path(args.out) / "runs"
     runs = []
     for arm in arms:
         for seed in range(args.seeds):
             record = train_run(args, target, arm, seed, args.steps, runs_dir / f"{arm.name}-steps-s{seed}")
             runs.append({**record, "budget": "steps"})
+    if "wall" not in args.evaluate_budgets:
+        return runs  # no same-wall-clock runs to train
     budget = args.wall_seconds or statistics.median(r["seconds"] for r in runs if r["arm"] == args.budget_arm)
     for arm in arms:
         mine = [r for r in runs if r["arm"] == arm.name and r["budget"] == "steps"]

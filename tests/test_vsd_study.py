@@ -114,3 +114,23 @@ def test_image_tasks_are_study_prompt_sets_with_their_images(study, llava_target
     for prompt, want in zip(prompt_set.prompts, expected, strict=True):
         assert len(prompt.spans) == 1 and prompt.token_ids == want.token_ids
         assert torch.equal(prompt.inputs_embeds, want.inputs_embeds)
+
+
+def test_same_wall_clock_runs_are_trained_only_when_evaluated(study, monkeypatch):
+    calls = []
+
+    def fake_run(args, target, arm, seed, steps, output):
+        calls.append((arm.name, seed, steps))
+        return {"arm": arm.name, "seed": seed, "steps": steps, "seconds": 10.0 * steps, "folder": str(output)}
+
+    monkeypatch.setattr(study, "train_run", fake_run)
+    arms = [study.parse_arm(s) for s in study.DEFAULT_ARMS]
+    args = study.parse_args(["--init", "x", "--steps", "4", "--seeds", "2", "--evaluate-budgets", "steps"])
+    runs = study.train_all(args, None, arms)
+    assert calls == [("ce", 0, 4), ("ce", 1, 4), ("recipe", 0, 4), ("recipe", 1, 4)]
+    assert {r["budget"] for r in runs} == {"steps"}
+    calls.clear()
+    args = study.parse_args(["--init", "x", "--steps", "4", "--seeds", "2", "--wall-seconds", "80"])
+    runs = study.train_all(args, None, arms)
+    assert calls[4:] == [("ce", 0, 8), ("ce", 1, 8), ("recipe", 0, 8), ("recipe", 1, 8)]  # 80 s at 10 s per step
+    assert sum(r["budget"] == "wall" for r in runs) == 4
