@@ -77,7 +77,7 @@ class Eagle1Layout(Layout):
         check_fits_target(text, embeddings, target, path)
         config = self.drafter_class.config_class(
             **config_sizes(text), vocab_size=target.vocab_size, fc_bias="fc.bias" in state,
-            max_images=self.drafter_class.default_max_images, target_name=target.name, **self.extra_sizes(state, path),
+            max_images=self.drafter_class.default_max_images, target_name=target.name, **self.extra_sizes(state, raw, path),
         )
         drafter = self.drafter_class(config, target.input_embeddings, target.model.get_output_embeddings())
         check_shapes(state, drafter, path)
@@ -101,8 +101,8 @@ class Eagle1Layout(Layout):
                     if names]
         raise NotThisLayout(f"{path} does not hold {self.description}: " + " | ".join(problems), raw, keys)
 
-    def extra_sizes(self, state: dict[str, Tensor], path: Path) -> dict:
-        """Config fields read from the weights rather than config.json."""
+    def extra_sizes(self, state: dict[str, Tensor], raw: dict, path: Path) -> dict:
+        """Config fields beyond the shared ones, from the weights or the released config.json (`raw`)."""
         return {}
 
     def extra_config(self, drafter: Eagle1Drafter) -> dict:
@@ -125,9 +125,9 @@ class MSDLayout(Eagle1Layout):
         "llava-hf/llava-1.5-13b-hf": "lucylyn/MSD-LLaVA1.5-13B",
     }
 
-    def extra_sizes(self, state: dict[str, Tensor], path: Path) -> dict:
+    def extra_sizes(self, state: dict[str, Tensor], raw: dict, path: Path) -> dict:
         """MSD's releases read the image embeddings raw; an export of ours records its `media_rms`."""
-        return {"media_rms": read_config(path).get("media_rms")}
+        return {"media_rms": raw.get("media_rms")}
 
     def extra_config(self, drafter: MSDDrafter) -> dict:
         rms = drafter.config.media_rms
@@ -148,7 +148,7 @@ class ViSpecLayout(Eagle1Layout):
         "llava-hf/llava-1.5-7b-hf": "JLKang/ViSpec-llava-1.5-7b-hf",
     }
 
-    def extra_sizes(self, state: dict[str, Tensor], path: Path) -> dict:
+    def extra_sizes(self, state: dict[str, Tensor], raw: dict, path: Path) -> dict:
         queries = state["imadpt.q"]
         if queries.ndim != 3:
             raise UserError(f"{path}: imadpt.q must be [num_q, heads, head_dim], got {list(queries.shape)}")

@@ -204,7 +204,8 @@ def evaluate_acceptance(
     for prompt in prompts:
         drafter.check_media(len(prompt.spans))
     start = time.perf_counter()
-    report = AcceptanceReport(shape, [], [0] * (shape.depth + 1), tie_epsilon=tie_epsilon)
+    report = AcceptanceReport(shape, [], [0] * (shape.depth + 1), tie_epsilon=tie_epsilon,
+                              num_out_of_vocab=0 if isinstance(drafter, Drafter) else None)
     chunks = range(0, len(prompts), batch_size)
     if progress:
         chunks = tqdm(chunks, desc="eval-drafter", unit="batch", dynamic_ncols=True)
@@ -229,16 +230,14 @@ class _Replay:
 def _evaluate_chunk(target, drafter, prompts, continuations, shape, tie_epsilon, first, report) -> None:
     """Capture one chunk's features, check the continuations, walk it, add to `report`."""
     replay, target_ids, margins = _capture(target, drafter, prompts, continuations)
-    in_vocab = target_to_draft_ids(drafter, target.vocab_size) >= 0 if isinstance(drafter, Drafter) else None
+    if report.num_out_of_vocab is not None:  # a drafter with a draft vocabulary (the first token: the prefill's)
+        in_vocab = target_to_draft_ids(drafter, target.vocab_size) >= 0
+        draftable = torch.tensor([tok for cont in continuations for tok in cont[1:]], dtype=torch.long)
+        report.num_out_of_vocab += int((~in_vocab[draftable.to(in_vocab.device)]).sum())
     for row, cont in enumerate(continuations):
         base = int(replay.prompt_lens[row]) - 1  # the target chooses continuation[i] at position base + i
         chosen, margin = target_ids[row, base : base + len(cont)].tolist(), margins[row, base : base + len(cont)]
         report.num_mismatches += sum(a != b for a, b in zip(chosen, cont))
-        if in_vocab is None:
-            report.num_out_of_vocab = None
-        elif report.num_out_of_vocab is not None:
-            draftable = torch.tensor(cont[1:], dtype=torch.long, device=in_vocab.device)
-            report.num_out_of_vocab += int((~in_vocab[draftable]).sum())
         for pos in (margin < tie_epsilon).nonzero().flatten().tolist():
             report.ties.append(Tie(first + row, pos, float(margin[pos])))
     report.prompts += _walk(drafter, replay, shape, report)
