@@ -15,7 +15,8 @@ small learning rate (5e-6 vs 3e-4 from scratch). This study does the same on CPU
    vs `--baseline-arm` (ce): the paired difference and ratio with their bootstrap intervals.
 
 Writes OUT/study.json (config, every run, per-prompt counts, summary), OUT/study.md (table) and
-OUT/study.png. Runs already trained under OUT/runs/ are reused (delete one to retrain it).
+OUT/study.png. Runs already trained under OUT/runs/ are reused (delete one to retrain it), and so are
+measurements already made (OUT/eval_cache.json, keyed by the drafter's weights, prompts, tree and temperature).
 
     python benchmarks/vsd_study.py --init runs/ce_main --out benchmarks/results/vsd_study \\
         --feature-cache runs/cache --steps 60 --seeds 3 --lr 3e-5 \\
@@ -28,6 +29,7 @@ Wall clock on a shared machine is noisy: the per-step seconds used for phase 2 a
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import sys
@@ -39,6 +41,7 @@ import numpy as np
 
 DEFAULT_ARMS = ("ce=ce", "recipe=ce+vsd")
 RUN_FILE = "study_run.json"
+EVAL_CACHE_FILE = "eval_cache.json"
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -165,7 +168,8 @@ def train_all(args: argparse.Namespace, target, arms: list[Arm]) -> list[dict]:
         seconds_per_step = statistics.median(r["seconds"] / r["steps"] for r in mine)
         steps = max(1, round(budget / seconds_per_step))
         for seed in range(args.seeds):
-            record = train_run(args, target, arm, seed, steps, runs_dir / f"{arm.name}-wall-s{seed}")
+            same = [r for r in mine if r["seed"] == seed and r["steps"] == steps]  # that run is already trained
+            record = same[0] if same else train_run(args, target, arm, seed, steps, runs_dir / f"{arm.name}-wall-s{seed}")
             runs.append({**record, "budget": "wall", "budget_seconds": budget, "seconds_per_step": seconds_per_step})
     return runs
 
@@ -193,8 +197,9 @@ def load_prompt_sets(target, specs: list[str], limit: int, max_new_tokens: int) 
 
 
 def measure_counts(target, drafter, prompt_set: PromptSet, shape, temperature: float, seed: int = 0,
-                   batch_size: int = 8) -> tuple[list[int], list[int]]:
-    """Per-prompt (new tokens, target forwards): the evaluator's exact replay at T = 0, generate at T > 0."""
+                   batch_size: int = 8, sampled_limit: int = 0) -> tuple[list[int], list[int]]:
+    """Per-prompt (new tokens, target forwards): the evaluator's exact replay at T = 0, generate at T > 0
+    (on the first `sampled_limit` prompts of the set when it is set: sampling runs the whole decode loop)."""
     if temperature == 0:
         from mmvsd.evaluate import evaluate_acceptance
 
@@ -202,32 +207,64 @@ def measure_counts(target, drafter, prompt_set: PromptSet, shape, temperature: f
         return [p.new_tokens for p in report.prompts], [p.target_forwards for p in report.prompts]
     from mmvsd.decode import DecodeConfig, speculative_generate
 
+    prompts = prompt_set.prompts[: sampled_limit or None]
     max_new = max(len(c) for c in prompt_set.continuations)
     config = DecodeConfig(max_new_tokens=max_new, temperature=temperature, tree=shape, seed=seed)
     new, forwards = [], []
-    for start in range(0, len(prompt_set.prompts), batch_size):
-        for result in speculative_generate(target, drafter, prompt_set.prompts[start : start + batch_size], config):
+    for start in range(0, len(prompts), batch_size):
+        for result in speculative_generate(target, drafter, prompts[start : start + batch_size], config):
             new.append(len(result.output_ids))
             forwards.append(result.num_target_forwards)
     return new, forwards
 
 
+def drafter_digest(drafter) -> str:
+    """sha256 over the drafter's parameters (names and bytes): which weights a measurement is of."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(drafter.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def evaluation_key(args: argparse.Namespace, digest: str, temperature: float, prompt_set: PromptSet) -> str:
+    """Everything a measurement depends on: weights, target, prompts, tree, temperature, seed."""
+    prompts = len(prompt_set.prompts) if temperature == 0 else len(prompt_set.prompts[: args.sampled_limit or None])
+    return json.dumps([digest, args.target, prompt_set.name, prompts, args.max_new_tokens, args.tree,
+                       float(temperature), args.eval_seed])
+
+
 def evaluate_all(args: argparse.Namespace, target, runs: list[dict], prompt_sets: list[PromptSet]) -> dict:
     """{folder: {temperature: {set: [new, forwards]}}} for every distinct run folder and the init drafter
-    (the neural drafter alone: no n-gram branches in its trees, which would blur the comparison)."""
+    (the neural drafter alone: no n-gram branches in its trees, which would blur the comparison).
+
+    Each measurement is kept in OUT/eval_cache.json as soon as it is made, keyed by `evaluation_key`, so
+    an interrupted study, or one asked for another budget or temperature, measures only what is new."""
     from mmvsd.drafter_spec import neural_drafter_from_spec
+    from mmvsd.files import atomic_file
     from mmvsd.tree import TreeShape
 
     shape = TreeShape.parse(args.tree)
+    cache_path = Path(args.out) / EVAL_CACHE_FILE
+    cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
     folders = [args.init] + sorted({r["folder"] for r in runs})
     counts: dict = {}
     for folder in folders:
         drafter = neural_drafter_from_spec(folder, target).eval()
+        digest = drafter_digest(drafter)
         counts[folder] = {}
         for temperature in args.temperatures:
-            counts[folder][str(temperature)] = {
-                ps.name: measure_counts(target, drafter, ps, shape, temperature, seed=args.eval_seed) for ps in prompt_sets
-            }
+            by_set = counts[folder][str(temperature)] = {}
+            for ps in prompt_sets:
+                key = evaluation_key(args, digest, temperature, ps)
+                if key not in cache:
+                    cache[key] = measure_counts(target, drafter, ps, shape, temperature, seed=args.eval_seed,
+                                                sampled_limit=args.sampled_limit)
+                    with atomic_file(cache_path) as handle:
+                        json.dump(cache, handle)
+                by_set[ps.name] = [list(cache[key][0]), list(cache[key][1])]
     return counts
 
 
@@ -353,6 +390,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--tree", default="60/7/10", help="BUDGET/DEPTH/TOPK")
     p.add_argument("--temperatures", default="0", help="comma list; T > 0 uses speculative_generate")
+    p.add_argument("--sampled-limit", type=int, default=0,
+                   help="prompts per set at T > 0 (0: all --eval-limit); sampling runs the whole decode loop")
     p.add_argument("--eval-seed", type=int, default=0)
     p.add_argument("--bootstrap", type=int, default=2000)
     p.add_argument("--bootstrap-seed", type=int, default=0)
@@ -375,8 +414,10 @@ def check_args(args: argparse.Namespace, arms: list[Arm]) -> None:
             raise UserError(f"--{role.replace('_', '-')} {getattr(args, role)!r} is not an arm ({', '.join(names)})")
     if not args.evaluate_budgets or not set(args.evaluate_budgets) <= {"steps", "wall"}:
         raise UserError(f"--evaluate-budgets takes steps, wall or both, got {','.join(args.evaluate_budgets)!r}")
-    if args.steps < 1 or args.seeds < 1 or args.lr <= 0 or args.bootstrap < 100 or args.wall_seconds < 0:
-        raise UserError("need --steps >= 1, --seeds >= 1, --lr > 0, --bootstrap >= 100, --wall-seconds >= 0")
+    if (args.steps < 1 or args.seeds < 1 or args.lr <= 0 or args.bootstrap < 100 or args.wall_seconds < 0
+            or args.sampled_limit < 0):
+        raise UserError("need --steps >= 1, --seeds >= 1, --lr > 0, --bootstrap >= 100, --wall-seconds >= 0, "
+                        "--sampled-limit >= 0")
 
 
 def run_study(args: argparse.Namespace, target=None) -> list[dict]:

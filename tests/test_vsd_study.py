@@ -116,7 +116,9 @@ def test_image_tasks_are_study_prompt_sets_with_their_images(study, llava_target
         assert torch.equal(prompt.inputs_embeds, want.inputs_embeds)
 
 
-def test_same_wall_clock_runs_are_trained_only_when_evaluated(study, monkeypatch):
+@pytest.fixture
+def fake_training(study, monkeypatch):
+    """train_run replaced by a recorder (10 s per step): the list of (arm, seed, steps) it was asked for."""
     calls = []
 
     def fake_run(args, target, arm, seed, steps, output):
@@ -124,6 +126,11 @@ def test_same_wall_clock_runs_are_trained_only_when_evaluated(study, monkeypatch
         return {"arm": arm.name, "seed": seed, "steps": steps, "seconds": 10.0 * steps, "folder": str(output)}
 
     monkeypatch.setattr(study, "train_run", fake_run)
+    return calls
+
+
+def test_same_wall_clock_runs_are_trained_only_when_evaluated(study, fake_training):
+    calls = fake_training
     arms = [study.parse_arm(s) for s in study.DEFAULT_ARMS]
     args = study.parse_args(["--init", "x", "--steps", "4", "--seeds", "2", "--evaluate-budgets", "steps"])
     runs = study.train_all(args, None, arms)
@@ -134,3 +141,49 @@ def test_same_wall_clock_runs_are_trained_only_when_evaluated(study, monkeypatch
     runs = study.train_all(args, None, arms)
     assert calls[4:] == [("ce", 0, 8), ("ce", 1, 8), ("recipe", 0, 8), ("recipe", 1, 8)]  # 80 s at 10 s per step
     assert sum(r["budget"] == "wall" for r in runs) == 4
+
+
+def test_a_wall_clock_run_of_as_many_steps_as_its_same_steps_run_is_not_trained_again(study, fake_training):
+    calls = fake_training
+    arms = [study.parse_arm(s) for s in study.DEFAULT_ARMS]
+    args = study.parse_args(["--init", "x", "--steps", "4", "--seeds", "2", "--wall-seconds", "40"])
+    runs = study.train_all(args, None, arms)
+    assert calls == [("ce", 0, 4), ("ce", 1, 4), ("recipe", 0, 4), ("recipe", 1, 4)]  # 40 s is 4 steps for both
+    wall = [r for r in runs if r["budget"] == "wall"]
+    assert [r["folder"] for r in wall] == [r["folder"] for r in runs if r["budget"] == "steps"]
+
+
+def test_measurements_are_cached_by_weights_and_settings(study, tmp_path, monkeypatch):
+    """A second evaluation of the same weights measures nothing; other weights or a T > 0 subset are new keys."""
+    import torch
+
+    calls = []
+
+    class Tiny(torch.nn.Module):
+        def __init__(self, value):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.full((2,), value))
+
+    drafters = {"a": Tiny(1.0), "b": Tiny(1.0), "c": Tiny(2.0)}
+
+    def fake_measure(target, drafter, ps, shape, temperature, seed=0, batch_size=8, sampled_limit=0):
+        calls.append((drafter.w[0].item(), temperature))
+        n = len(ps.prompts) if temperature == 0 else len(ps.prompts[: sampled_limit or None])
+        return [3] * n, [2] * n
+
+    monkeypatch.setattr(study, "measure_counts", fake_measure)
+    monkeypatch.setattr("mmvsd.drafter_spec.neural_drafter_from_spec", lambda folder, target: drafters[folder])
+    sets = [study.PromptSet("p", [None] * 5)]
+    args = study.parse_args(["--init", "a", "--out", str(tmp_path), "--temperatures", "0,1", "--sampled-limit", "2"])
+    counts = study.evaluate_all(args, None, [], sets)
+    assert calls == [(1.0, 0.0), (1.0, 1.0)]
+    assert counts["a"]["0.0"]["p"] == [[3] * 5, [2] * 5] and counts["a"]["1.0"]["p"] == [[3] * 2, [2] * 2]
+    calls.clear()
+    study.evaluate_all(args, None, [{"folder": "b"}], sets)  # b has a's weights: nothing new to measure
+    assert calls == []
+    study.evaluate_all(args, None, [{"folder": "c"}], sets)
+    assert calls == [(2.0, 0.0), (2.0, 1.0)]
+    calls.clear()
+    args = study.parse_args(["--init", "a", "--out", str(tmp_path), "--temperatures", "1", "--sampled-limit", "3"])
+    study.evaluate_all(args, None, [], sets)
+    assert calls == [(1.0, 1.0)]  # three sampled prompts are another measurement than two
