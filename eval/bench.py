@@ -48,6 +48,7 @@ from mmvsd.eval.suites import (
     resolve_suite,
     synthetic_note,
 )
+from mmvsd.placement import placement
 from mmvsd.shape_policy import AcceptanceStats
 from mmvsd.shipped import default_drafter
 from mmvsd.target import Target
@@ -137,7 +138,7 @@ class TreeGenerate:
 
 
 def load_assistant(spec: str, target: Target):
-    assistant = load_target(spec)
+    assistant = load_target(spec, dtype=target.dtype, device=str(target.device))
     if assistant.vocab_size != target.vocab_size:
         raise UserError(f"--assistant {spec!r} has a vocabulary of {assistant.vocab_size}, the target "
                         f"{target.vocab_size}: assisted generation needs the same tokenizer")
@@ -306,7 +307,8 @@ def check_out_dir(out_dir: Path, config: BenchConfig, resume: bool) -> None:
         raise UserError(f"--resume: no bench run in {out_dir}")
     before = {k: v for k, v in json.loads(saved.read_text()).items() if k != "limit"}
     now = {k: v for k, v in json.loads(json.dumps(asdict(config))).items() if k != "limit"}
-    changed = sorted(k for k in now if before.get(k) != now[k])
+    defaults = asdict(BenchConfig())  # settings added since that run was saved had their defaults then
+    changed = sorted(k for k in now if before.get(k, defaults[k]) != now[k])
     if changed:
         raise UserError(f"--resume: settings differ from the interrupted run ({', '.join(changed)})")
 
@@ -330,7 +332,7 @@ def run_bench(config: BenchConfig, target: Target | None = None, resume: bool = 
     for note in filter(None, map(synthetic_note, names)):
         print(f"mmvsd: note: {note}", file=sys.stderr)
     if target is None:
-        target = load_target(config.target_name())
+        target = load_target(config.target_name(), *placement(config.device, config.dtype))
     methods = sorted(build_methods(config, target), key=lambda m: m.name != "vanilla")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
@@ -351,5 +353,6 @@ def run_bench(config: BenchConfig, target: Target | None = None, resume: bool = 
                 handle.flush()
                 bar.update(len(batch))
     bar.close()
-    write_reports(out_dir, asdict(config), read_records(out_dir), [m.name for m in methods])
+    placed = {"target_device": str(target.device), "target_dtype": str(target.dtype).removeprefix("torch.")}
+    write_reports(out_dir, {**asdict(config), **placed}, read_records(out_dir), [m.name for m in methods])
     return out_dir

@@ -6,6 +6,7 @@ import argparse
 
 from mmvsd.errors import UserError
 from mmvsd.eval.bench_config import METHODS, BenchConfig, fixed_tree_spec
+from mmvsd.placement import add_placement_arguments
 
 
 def _list(text: str) -> list[str]:
@@ -56,6 +57,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=defaults.out, help="results folder")
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
     p.add_argument("--no-progress", action="store_true")
+    add_placement_arguments(p)
 
 
 def run_bench_command(args: argparse.Namespace) -> None:
@@ -69,7 +71,7 @@ def run_bench_command(args: argparse.Namespace) -> None:
     config = BenchConfig(suite=args.suite, target=args.target, drafters=args.drafter, methods=args.methods,
                          temperatures=args.temperature, limit=args.limit, batch_size=args.batch_size,
                          max_new_tokens=args.max_new_tokens, trees=trees, assistant=args.assistant,
-                         adapter=args.adapter, seed=args.seed, out=args.out)
+                         adapter=args.adapter, seed=args.seed, out=args.out, device=args.device, dtype=args.dtype)
     from mmvsd.eval.bench import run_bench  # CLI start-up: torch and the decoders only when a bench runs
 
     out = run_bench(config, resume=args.resume, progress=not args.no_progress)

@@ -29,6 +29,8 @@ class BenchConfig:
     adapter: str = ""  # modality adapter for image items ("": the first that fits the target)
     seed: int = 0
     out: str = "bench-results"
+    device: str = "auto"  # where the target (and every method) runs: auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | fp32 | bf16 | fp16 (auto: bf16 on a GPU, fp32 on the CPU)
 
     def validate(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]

@@ -17,7 +17,8 @@ model_args (lmms-eval's `key=value,key=value`; unknown keys are errors):
     adapter         modality adapter for image prompts (default: the first registered one that fits)
     seed            sampling seed, the same for every request (results do not depend on request order)
     records         JSONL file rewritten after every batch of requests with one record per sample
-    dtype, device   how to load the target (float32 on the CPU by default; lmms-eval's --device sets device)
+    dtype, device   how to load the target: auto (bf16 on a GPU, fp32 on the CPU), fp32|float32, bf16|bfloat16,
+                    fp16|float16; lmms-eval's --device sets device (default auto: a CUDA GPU when there is one)
 
 Generation kwargs: `until` stop strings cut the decoded text (decoding itself stops at EOS or
 max_new_tokens); temperature 0 is greedy, and `do_sample` is ignored as in lmms-eval's llava_hf.
@@ -40,7 +41,6 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 from lmms_eval.api.instance import GenerationResult, Instance, TokenCounts
 from lmms_eval.api.model import lmms
 from loguru import logger
@@ -52,6 +52,7 @@ from mmvsd.adapters import choose_adapter
 from mmvsd.errors import UserError
 from mmvsd.eval.bench_config import fixed_tree_spec, tree_shape
 from mmvsd.files import atomic_file
+from mmvsd.placement import placement
 from mmvsd.shipped import default_drafter
 
 if TYPE_CHECKING:
@@ -62,7 +63,6 @@ if TYPE_CHECKING:
 MODEL_NAME = "mmvsd"
 IMAGE_PLACEHOLDER = "<image>"  # what lmms-eval tasks put in the context where a LLaVA prompt shows the image
 UNSUPPORTED_GEN_KWARGS = {"top_p": (None, 1, 1.0), "top_k": (None, 0), "num_beams": (None, 1)}  # key: no-op values
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def lmms_manifests() -> list[ModelManifest]:
@@ -130,7 +130,7 @@ class MmvsdLmms(lmms):
         adapter: str = "",
         seed: int = 0,
         records: str = "",
-        dtype: str = "float32",
+        dtype: str = "auto",
         device: str | None = None,
         batch_size: int | str = 1,
         max_batch_size: int | None = None,
@@ -144,8 +144,6 @@ class MmvsdLmms(lmms):
         if str(batch_size) != "1":
             raise UserError(f"--model {MODEL_NAME} decodes one request at a time (tau and wall time are per "
                             f"sample): use batch_size 1, not {batch_size}")
-        if dtype not in DTYPES:
-            raise UserError(f"unknown dtype {dtype!r}; choose {', '.join(DTYPES)}")
         from mmvsd.drafter_spec import drafter_from_spec  # transformers-backed: see the module docstring
         from mmvsd.eval.bench import TreeGenerate  # likewise
         from mmvsd.target_loader import load_target  # likewise
@@ -155,7 +153,7 @@ class MmvsdLmms(lmms):
         self.seed = int(seed)
         self.records_path = Path(records) if records else None
         self.records: list[dict[str, Any]] = []
-        self.target = load_target(str(target), dtype=DTYPES[dtype], device=device or "cpu")
+        self.target = load_target(str(target), *placement(device or "auto", dtype))
         fixed = fixed_tree_spec(int(tree_budget), int(tree_depth), int(tree_topk))
         if tree and fixed:
             raise UserError("model_args tree and tree_budget/tree_depth/tree_topk are two ways to say one thing: "

@@ -13,6 +13,7 @@ from mmvsd.errors import UserError
 from mmvsd.eval.bench_cli import add_bench_parser, run_bench_command
 from mmvsd.export_cli import add_export_parser, run_export
 from mmvsd.files import atomic_file
+from mmvsd.placement import add_placement_arguments
 from mmvsd.prompts import read_prompt_file
 
 
@@ -75,6 +76,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--adapter", help="modality adapter by name (default: the first registered one that fits)")
     p.add_argument("--ngram", choices=("on", "off"),
                    help="n-gram (prompt-lookup) branches in a neural drafter's trees (default on; 'off' disables)")
+    add_placement_arguments(p)
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -127,6 +129,7 @@ def _add_eval_drafter(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-cache", action="store_true", help="generate the greedy continuations again")
     p.add_argument("--json", help="write the report (per-prompt tau, acceptance by depth, ties) to this file")
+    add_placement_arguments(p)
 
 
 def _add_drafters(sub: argparse._SubParsersAction) -> None:
@@ -151,6 +154,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=_positive_int, action="append", help="batch size to measure (repeatable)")
     p.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
     p.add_argument("--plot", metavar="OUT.png", help="write the cost curves to this PNG file")
+    add_placement_arguments(p)
 
 
 def _add_lab(sub: argparse._SubParsersAction) -> None:
@@ -198,6 +202,7 @@ def run_generate(args: argparse.Namespace) -> None:
 
     from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate  # CLI start-up: loaded per command
     from mmvsd.drafter_spec import check_ngram_options, drafter_from_spec  # CLI start-up: loaded per command
+    from mmvsd.placement import placement  # CLI start-up: loaded per command
     from mmvsd.shape_policy import AcceptanceStats  # CLI start-up: loaded per command
     from mmvsd.shipped import implicit_drafter_spec  # CLI start-up: loaded per command
     from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
@@ -212,7 +217,7 @@ def run_generate(args: argparse.Namespace) -> None:
     args.drafter = args.drafter or implicit_drafter_spec(args.target)
     ngram = None if args.ngram is None else args.ngram == "on"
     check_ngram_options(args.drafter, ngram)
-    target = load_target(args.target)
+    target = load_target(args.target, *placement(args.device, args.dtype))
     drafter = drafter_from_spec(args.drafter, target, args.seed, ngram=ngram)
     torch.manual_seed(args.seed)
     prompts = _encode_prompts(target, texts, args)
@@ -266,6 +271,7 @@ def run_eval_drafter(args: argparse.Namespace) -> None:
     from mmvsd import evaluate  # CLI start-up: loaded per command
     from mmvsd.drafter_base import Drafter  # CLI start-up: loaded per command
     from mmvsd.drafter_spec import drafter_from_spec  # CLI start-up: loaded per command
+    from mmvsd.placement import placement  # CLI start-up: loaded per command
     from mmvsd.shipped import implicit_drafter_spec  # CLI start-up: loaded per command
     from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
     from mmvsd.tree import TreeShape  # CLI start-up: loaded per command
@@ -274,7 +280,7 @@ def run_eval_drafter(args: argparse.Namespace) -> None:
     spec = args.drafter or implicit_drafter_spec(args.target)
     if spec == "none":
         raise UserError("--drafter none drafts nothing: there is no acceptance to measure")
-    target = load_target(args.target)
+    target = load_target(args.target, *placement(args.device, args.dtype))
     drafter = drafter_from_spec(spec, target, args.seed, ngram=None if args.ngram is None else args.ngram == "on")
     if shape == "auto":  # the trees auto plans from this machine's costs; its speed guard's plain steps are not replayed
         from mmvsd.costs import load_cost_table  # CLI start-up: loaded per command
@@ -322,12 +328,13 @@ def run_profile(args: argparse.Namespace) -> None:
         plot_cost_table,
     )
     from mmvsd.drafter_spec import drafter_from_spec  # CLI start-up: loaded per command
+    from mmvsd.placement import placement  # CLI start-up: loaded per command
     from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
 
     if args.plot and not args.plot.lower().endswith(".png"):
         raise UserError(f"--plot must name a .png file, got {args.plot!r}")
     batch_sizes = tuple(sorted(set(args.batch_size or [1])))
-    target = load_target(args.target)
+    target = load_target(args.target, *placement(args.device, args.dtype))
     drafter = drafter_from_spec(args.drafter, target, ngram=None if args.ngram is None else args.ngram == "on")
     table = load_cost_table(target, drafter, batch_sizes, refresh=args.refresh)
     print(format_cost_table(table))

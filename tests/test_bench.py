@@ -50,6 +50,7 @@ def text_run(tiny_dir, fitted_dir, tmp_path_factory) -> Path:
 def test_text_suite_writes_table_json_csv_records_and_plots(text_run):
     results = json.loads((text_run / "results.json").read_text())
     assert results["config"]["suite"] == "text" and results["versions"]["torch"] and results["machine"]["cpu_count"]
+    assert results["config"]["target_device"] == "cpu" and results["config"]["target_dtype"] == "float32"
     rows = results["rows"]
     methods = {"vanilla", "vanilla@b1", "hf", "pld", "tree:random", "tree:fitted"}
     assert {r["method"] for r in rows} == methods

@@ -82,6 +82,7 @@ def bad_input_cases(tiny_dir: Path, tmp: Path) -> dict[str, list[str]]:
         "too long": base + ["--target", str(tiny_dir), "--prompt", " ".join(["w1"] * 600)],
         "empty prompt file": base + ["--target", str(tiny_dir), "--prompt-file", str(empty)],
         "missing prompt file": base + ["--target", str(tiny_dir), "--prompt-file", str(tmp / "nope.jsonl")],
+        "bad device": base + ["--target", str(tiny_dir), "--prompt", "w1", "--device", "tpu"],
     }
 
 
