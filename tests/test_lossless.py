@@ -106,3 +106,21 @@ def test_tiny_llava_target_text_decoding_is_lossless():
     prompts = random_prompts(2, seed=31, vocab=150)
     spec = speculative_generate(target, drafter, prompts, DecodeConfig(max_new_tokens=16))
     assert [r.output_ids for r in spec] == alone(target, prompts, 16)
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("name", ["default", "eagle3-ce"])
+def test_shipped_smollm2_drafters_decode_losslessly_and_accept_tokens(smollm2_target, name):
+    """The shipped SmolLM2 drafters (`eagle3-vsd`, the default, and `eagle3-ce`) decode MT-Bench first turns
+    token for token as vanilla decoding does, and accept more than one token per target forward (an untrained
+    drafter accepts about one: see the random-drafter test)."""
+    from mmvsd.drafter_spec import drafter_from_spec
+    from mmvsd.evaluate import load_eval_prompts
+
+    drafter = drafter_from_spec(name, smollm2_target, ngram=False)
+    assert drafter.drafter_type == "eagle3"
+    prompts = load_eval_prompts(smollm2_target, "mt_bench", limit=3)
+    decoded = speculative_generate(smollm2_target, drafter, prompts, DecodeConfig(48, tree=TreeShape(60, 7, 10)))
+    assert [r.output_ids for r in decoded] == alone(smollm2_target, prompts, 48)
+    tau = sum(len(r.output_ids) for r in decoded) / sum(r.num_target_forwards for r in decoded)
+    assert tau > 1.6
