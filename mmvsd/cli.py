@@ -202,7 +202,7 @@ def run_generate(args: argparse.Namespace) -> None:
 
     from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate  # CLI start-up: loaded per command
     from mmvsd.drafter_spec import check_ngram_options, drafter_from_spec  # CLI start-up: loaded per command
-    from mmvsd.placement import placement  # CLI start-up: loaded per command
+    from mmvsd.placement import half_precision_warning, placement  # CLI start-up: loaded per command
     from mmvsd.shape_policy import AcceptanceStats  # CLI start-up: loaded per command
     from mmvsd.shipped import implicit_drafter_spec  # CLI start-up: loaded per command
     from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
@@ -219,6 +219,8 @@ def run_generate(args: argparse.Namespace) -> None:
     check_ngram_options(args.drafter, ngram)
     target = load_target(args.target, *placement(args.device, args.dtype))
     drafter = drafter_from_spec(args.drafter, target, args.seed, ngram=ngram)
+    if drafter is not None and half_precision_warning(target.dtype):
+        print(half_precision_warning(target.dtype), file=sys.stderr)
     torch.manual_seed(args.seed)
     prompts = _encode_prompts(target, texts, args)
     records = []

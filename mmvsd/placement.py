@@ -44,3 +44,13 @@ def placement(device: str = "auto", dtype: str = "auto"):
     if dtype not in DTYPE_NAMES:
         raise UserError(f"dtype {dtype!r}: use {', '.join(DTYPE_CHOICES)} (or float32, bfloat16, float16)")
     return getattr(torch, DTYPE_NAMES[dtype]), device
+
+
+def half_precision_warning(dtype) -> str | None:
+    """What a user of speculative decoding should know about a half-precision target (None for fp32)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in ("bfloat16", "float16"):
+        return None
+    return (f"mmvsd: warning: with a {name} target, speculative output equals vanilla decoding's only up to "
+            f"near-ties of the logits (a verify step computes them with other batch shapes, and {name} logits "
+            f"near 20 are 0.125 or 0.016 apart); --dtype fp32 for token-for-token equality")
