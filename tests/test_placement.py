@@ -67,5 +67,8 @@ def test_generate_loads_target_and_drafter_in_the_asked_precision(no_gpu, tmp_pa
     code, _, err = run_cli(capsys, *common, "--drafter", "random", "--dtype", "bf16")
     assert code == 0, err
     assert seen == [(torch.bfloat16, "cpu")]
+    assert err.count("mmvsd: warning: with a bfloat16 target") == 1 and "--dtype fp32" in err
+    code, _, err = run_cli(capsys, *common, "--drafter", "random")
+    assert code == 0 and "warning" not in err and seen[-1] == (torch.float32, "cpu")
     code, _, err = run_cli(capsys, *common, "--drafter", "none", "--device", "cuda")
     assert code == 2 and err.count("mmvsd: error:") == 1 and "sees no CUDA GPU" in err
