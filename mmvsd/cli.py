@@ -13,7 +13,7 @@ from mmvsd.errors import UserError
 from mmvsd.eval.bench_cli import add_bench_parser, run_bench_command
 from mmvsd.export_cli import add_export_parser, run_export
 from mmvsd.files import atomic_file
-from mmvsd.placement import add_placement_arguments
+from mmvsd.placement import add_placement_arguments, half_precision_warning, placement
 from mmvsd.prompts import read_prompt_file
 
 
@@ -202,7 +202,6 @@ def run_generate(args: argparse.Namespace) -> None:
 
     from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate  # CLI start-up: loaded per command
     from mmvsd.drafter_spec import check_ngram_options, drafter_from_spec  # CLI start-up: loaded per command
-    from mmvsd.placement import half_precision_warning, placement  # CLI start-up: loaded per command
     from mmvsd.shape_policy import AcceptanceStats  # CLI start-up: loaded per command
     from mmvsd.shipped import implicit_drafter_spec  # CLI start-up: loaded per command
     from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
@@ -273,7 +272,6 @@ def run_eval_drafter(args: argparse.Namespace) -> None:
     from mmvsd import evaluate  # CLI start-up: loaded per command
     from mmvsd.drafter_base import Drafter  # CLI start-up: loaded per command
     from mmvsd.drafter_spec import drafter_from_spec  # CLI start-up: loaded per command
-    from mmvsd.placement import placement  # CLI start-up: loaded per command
     from mmvsd.shipped import implicit_drafter_spec  # CLI start-up: loaded per command
     from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
     from mmvsd.tree import TreeShape  # CLI start-up: loaded per command
@@ -330,7 +328,6 @@ def run_profile(args: argparse.Namespace) -> None:
         plot_cost_table,
     )
     from mmvsd.drafter_spec import drafter_from_spec  # CLI start-up: loaded per command
-    from mmvsd.placement import placement  # CLI start-up: loaded per command
     from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
 
     if args.plot and not args.plot.lower().endswith(".png"):
