@@ -29,7 +29,6 @@ Wall clock on a shared machine is noisy: the per-step seconds used for phase 2 a
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import statistics
 import sys
@@ -207,7 +206,7 @@ def measure_counts(target, drafter, prompt_set: PromptSet, shape, temperature: f
         return [p.new_tokens for p in report.prompts], [p.target_forwards for p in report.prompts]
     from mmvsd.decode import DecodeConfig, speculative_generate
 
-    prompts = prompt_set.prompts[: sampled_limit or None]
+    prompts = measured_prompts(prompt_set, temperature, sampled_limit)
     max_new = max(len(c) for c in prompt_set.continuations)
     config = DecodeConfig(max_new_tokens=max_new, temperature=temperature, tree=shape, seed=seed)
     new, forwards = [], []
@@ -218,20 +217,14 @@ def measure_counts(target, drafter, prompt_set: PromptSet, shape, temperature: f
     return new, forwards
 
 
-def drafter_digest(drafter) -> str:
-    """sha256 over the drafter's parameters (names and bytes): which weights a measurement is of."""
-    import torch
-
-    digest = hashlib.sha256()
-    for name, tensor in sorted(drafter.state_dict().items()):
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+def measured_prompts(prompt_set: PromptSet, temperature: float, sampled_limit: int) -> list:
+    """The prompts a measurement decodes: all at T = 0, the first `sampled_limit` (0: all) at T > 0."""
+    return prompt_set.prompts if temperature == 0 else prompt_set.prompts[: sampled_limit or None]
 
 
 def evaluation_key(args: argparse.Namespace, digest: str, temperature: float, prompt_set: PromptSet) -> str:
-    """Everything a measurement depends on: weights, target, prompts, tree, temperature, seed."""
-    prompts = len(prompt_set.prompts) if temperature == 0 else len(prompt_set.prompts[: args.sampled_limit or None])
+    """Everything a measurement depends on: weights (`weights_sha256`), target, prompts, tree, temperature, seed."""
+    prompts = len(measured_prompts(prompt_set, temperature, args.sampled_limit))
     return json.dumps([digest, args.target, prompt_set.name, prompts, args.max_new_tokens, args.tree,
                        float(temperature), args.eval_seed])
 
@@ -244,6 +237,7 @@ def evaluate_all(args: argparse.Namespace, target, runs: list[dict], prompt_sets
     an interrupted study, or one asked for another budget or temperature, measures only what is new."""
     from mmvsd.drafter_spec import neural_drafter_from_spec
     from mmvsd.files import atomic_file
+    from mmvsd.shipped import weights_sha256
     from mmvsd.tree import TreeShape
 
     shape = TreeShape.parse(args.tree)
@@ -253,7 +247,7 @@ def evaluate_all(args: argparse.Namespace, target, runs: list[dict], prompt_sets
     counts: dict = {}
     for folder in folders:
         drafter = neural_drafter_from_spec(folder, target).eval()
-        digest = drafter_digest(drafter)
+        digest = weights_sha256(drafter)
         counts[folder] = {}
         for temperature in args.temperatures:
             by_set = counts[folder][str(temperature)] = {}

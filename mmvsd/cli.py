@@ -218,8 +218,9 @@ def run_generate(args: argparse.Namespace) -> None:
     check_ngram_options(args.drafter, ngram)
     target = load_target(args.target, *placement(args.device, args.dtype))
     drafter = drafter_from_spec(args.drafter, target, args.seed, ngram=ngram)
-    if drafter is not None and half_precision_warning(target.dtype):
-        print(half_precision_warning(target.dtype), file=sys.stderr)
+    warning = half_precision_warning(target.dtype) if drafter is not None else None
+    if warning:
+        print(warning, file=sys.stderr)
     torch.manual_seed(args.seed)
     prompts = _encode_prompts(target, texts, args)
     records = []

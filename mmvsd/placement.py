@@ -49,8 +49,9 @@ def placement(device: str = "auto", dtype: str = "auto"):
 def half_precision_warning(dtype) -> str | None:
     """What a user of speculative decoding should know about a half-precision target (None for fp32)."""
     name = str(dtype).removeprefix("torch.")
-    if name not in ("bfloat16", "float16"):
+    spacing = {"bfloat16": "0.125", "float16": "0.016"}.get(name)  # between representable values near 20
+    if spacing is None:
         return None
     return (f"mmvsd: warning: with a {name} target, speculative output equals vanilla decoding's only up to "
             f"near-ties of the logits (a verify step computes them with other batch shapes, and {name} logits "
-            f"near 20 are 0.125 or 0.016 apart); --dtype fp32 for token-for-token equality")
+            f"near 20 are {spacing} apart); --dtype fp32 for token-for-token equality")

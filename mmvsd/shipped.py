@@ -33,19 +33,23 @@ HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _target_checksums: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def target_checksum(target) -> str:
-    """sha256 of a target's weights (names, dtypes, shapes and bytes; tied tensors once); cached per object."""
-    if target in _target_checksums:
-        return _target_checksums[target]
+def weights_sha256(module: torch.nn.Module) -> str:
+    """sha256 of a module's weights: names, dtypes, shapes and bytes, tied tensors once."""
     digest = hashlib.sha256()
     seen: set[int] = set()
-    for name, tensor in sorted(target.model.state_dict().items()):
+    for name, tensor in sorted(module.state_dict().items()):
         if tensor.data_ptr() in seen and tensor.numel():
             continue
         seen.add(tensor.data_ptr())
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}\n".encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    _target_checksums[target] = digest.hexdigest()
+    return digest.hexdigest()
+
+
+def target_checksum(target) -> str:
+    """`weights_sha256` of a target's model, cached per target object."""
+    if target not in _target_checksums:
+        _target_checksums[target] = weights_sha256(target.model)
     return _target_checksums[target]
 
 
