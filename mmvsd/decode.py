@@ -17,7 +17,7 @@ from mmvsd.costs import load_cost_table
 from mmvsd.drafter_base import Drafter, DraftInputs, PairMedia
 from mmvsd.errors import UserError
 from mmvsd.kv import sequence_block
-from mmvsd.shape_policy import AcceptanceStats, AutoShape, SpeedGuard, StepCosts
+from mmvsd.shape_policy import FULL, LIGHT, PLAIN, AcceptanceStats, AutoShape, StepChooser, StepCosts
 from mmvsd.target import Target
 from mmvsd.tree import ShapePlan, TreeShape, build_dynamic_tree, root_only_tree
 from mmvsd.verify import row_generators, sample_next, verify
@@ -189,11 +189,12 @@ def speculative_generate(
 
     With `config.tree == "auto"` the shape is planned per step from `costs` (measured and cached on
     first use when None) and acceptance learnt while decoding (into `stats`, which callers pass again
-    to carry it from call to call), and a speed guard falls back to plain steps (the drafter idle, its
-    pairs queued) while speculation is measured to lose.
+    to carry it from call to call), and each step is plain, n-gram-only or fully drafted, whichever
+    is measured to commit tokens fastest (`StepChooser`); the neural drafter, idle on the first two,
+    reads the pairs they committed when it next drafts.
     """
     prompts = as_prompts(prompts)
-    plan, guard = _shape_plan(target, drafter, config, len(prompts), costs, stats)
+    plan, chooser = _shape_plan(target, drafter, config, len(prompts), costs, stats)
     _check_prompts(target, prompts, config, lookahead=plan.depth + 1)
     for prompt in prompts:
         drafter.check_media(len(prompt.spans))
@@ -206,7 +207,8 @@ def speculative_generate(
     next_ids[rows, lens - 1] = roots
     session = drafter.new_session(len(prompts))
     session.advance(DraftInputs(drafter.target_features(out.aux_hidden, out.last_hidden), next_ids, lens, media))
-    pending = PendingPairs()  # pairs committed by plain steps, not yet fed to the drafter
+    light = session.light_expander() if chooser is not None else None  # n-gram branches alone, if any
+    light_plan = plan.without_drafter() if light is not None else None
     for row, token in enumerate(roots.tolist()):
         tracker.add(row, [token])
     while True:
@@ -217,70 +219,44 @@ def speculative_generate(
             live = live.to(target.device)
             cache.select_rows(live)
             session.select_rows(live)
-            pending.select_rows(live)
             roots = roots[live]
             generator = [generator[row] for row in live.tolist()]
         start = time.perf_counter()
-        plain = guard is not None and guard.plain_step()
-        if plain:
+        kind = FULL if chooser is None else chooser.step_kind(light is not None and light.has_proposals())
+        if kind == PLAIN:
             tree = root_only_tree(roots)
         else:
-            if pending:
-                session.advance(pending.take())
-            tree = build_dynamic_tree(roots, session, plan)
+            tree = build_dynamic_tree(roots, *((session, plan) if kind == FULL else (light, light_plan)))
         out = target.forward(cache, tree.token_ids, tree.depths, tree.ancestor_mask(), need_aux=drafter.reads_aux)
         verdict = verify(tree, out.logits, config.temperature, generator)
         num_kept = verdict.num_accepted + 1  # root + accepted draft tokens
         cache.keep(verdict.path_nodes.clamp(min=0), num_kept)
         features = drafter.target_features(out.aux_hidden, out.last_hidden)
         inputs = _next_draft_inputs(tree.token_ids, features, verdict)
-        if plain:
-            pending.add(inputs)
-        else:
+        if kind == FULL:
             session.advance(inputs)
             plan.observe(tree, verdict)
+        else:  # the neural drafter stays idle; it reads these pairs when it next drafts
+            session.defer(inputs)
+            if kind == LIGHT:
+                light_plan.observe(tree, verdict)
         roots = verdict.bonus_ids
         for row, token_ids in enumerate(verdict.accepted_ids(tree)):
             tracker.add(row, token_ids, tree.num_nodes)
-        if guard is not None:
-            guard.record(plain, int(num_kept.sum()), time.perf_counter() - start)
+        if chooser is not None:
+            chooser.record(kind, int(num_kept.sum()), time.perf_counter() - start)
     return tracker.results
 
 
 def _shape_plan(target: Target, drafter: Drafter, config: DecodeConfig, batch: int, costs: StepCosts | None,
-                stats: AcceptanceStats | None) -> tuple[ShapePlan, SpeedGuard | None]:
-    """A fixed shape as given, or for "auto" the cost-aware plan and its speed guard."""
+                stats: AcceptanceStats | None) -> tuple[ShapePlan, StepChooser | None]:
+    """A fixed shape as given, or for "auto" the cost-aware plan and its choice of step kinds."""
     if isinstance(config.tree, TreeShape):
         return config.tree, None
     if costs is None:
         costs = load_cost_table(target, drafter, batch_sizes=(batch,))
     plan = AutoShape(costs, stats if stats is not None else AcceptanceStats())
-    return plan, SpeedGuard(batch / costs.target_step(1, batch))
-
-
-class PendingPairs:
-    """Pairs committed by plain steps (one per live row each), fed to the drafter in one advance
-    when drafting resumes: the drafter costs nothing while the speed guard keeps it idle."""
-
-    def __init__(self) -> None:
-        self.items: list[DraftInputs] = []
-
-    def __bool__(self) -> bool:
-        return bool(self.items)
-
-    def add(self, inputs: DraftInputs) -> None:
-        self.items.append(inputs)
-
-    def select_rows(self, rows: Tensor) -> None:
-        self.items = [DraftInputs(i.features[rows], i.next_ids[rows], i.num_new[rows]) for i in self.items]
-
-    def take(self) -> DraftInputs:
-        """All queued pairs as one DraftInputs ([B, n] with n = plain steps taken), and forget them."""
-        items, self.items = self.items, []
-        features = torch.cat([i.features for i in items], dim=1)
-        next_ids = torch.cat([i.next_ids for i in items], dim=1)
-        num_new = torch.stack([i.num_new for i in items]).sum(0)
-        return DraftInputs(features, next_ids, num_new)
+    return plan, StepChooser(batch / costs.target_step(1, batch))
 
 
 def _next_draft_inputs(tree_ids: Tensor, tree_features: Tensor, verdict) -> DraftInputs:

@@ -1,8 +1,15 @@
 """The decode-time state of one neural drafter over a batch (`DraftSession`): its ragged KV cache and last
-outputs, behind the tree builder's `TreeExpander` protocol (`mmvsd.tree`)."""
+outputs, behind the tree builder's `TreeExpander` protocol (`mmvsd.tree`).
+
+Besides that protocol, every session (neural, n-gram, hybrid) takes committed pairs two ways:
+`advance` feeds them now; `defer` commits them at no cost to the neural part, which feeds them all
+in one pass when it next drafts (steps that did not need it: plain steps, n-gram-only steps).
+`light_expander` is the part of a session that drafts at no measurable cost (a hybrid's n-gram
+proposer), or None."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -11,7 +18,17 @@ from torch import Tensor
 from mmvsd.kv import sequence_block
 
 if TYPE_CHECKING:  # types only: the drafter module creates sessions (`Drafter.new_session`)
-    from mmvsd.drafter_base import Drafter, DraftInputs
+    from mmvsd.drafter_base import Drafter, PairMedia
+
+
+@dataclass(frozen=True)
+class DraftInputs:
+    """Positions newly committed by the target, to be fed to the drafter as pairs."""
+
+    features: Tensor  # [B, A, F] target features at each committed position (`Drafter.target_features`)
+    next_ids: Tensor  # [B, A] the token that follows each position
+    num_new: Tensor  # [B] valid pairs per row (rows are right-padded)
+    media: PairMedia | None = None  # media at the following tokens (prompts with images), else None
 
 
 class DraftSession:
@@ -25,10 +42,14 @@ class DraftSession:
         self.last_hidden: Tensor | None = None  # [B, H] output at each row's last committed pair
         self.frontier_hidden: Tensor | None = None  # [B, K, H] outputs of the last expanded frontier
         self.num_expanded = 0
+        self.deferred: list[DraftInputs] = []  # committed pairs not fed yet, oldest first
 
     @torch.no_grad()
     def advance(self, inputs: DraftInputs) -> None:
-        """Feed newly committed pairs and commit them to the drafter's cache."""
+        """Feed newly committed pairs (after any deferred ones) and commit them to the drafter's cache."""
+        if self.deferred:
+            inputs = concat_pairs(self.deferred + [inputs])
+            self.deferred = []
         batch, width = inputs.next_ids.shape
         device = inputs.next_ids.device
         depths, causal = sequence_block(batch, width, device)
@@ -40,7 +61,20 @@ class DraftSession:
         self.last_hidden = hidden[rows, inputs.num_new - 1]
         self.cache.keep(depths, inputs.num_new)
 
+    def defer(self, inputs: DraftInputs) -> None:
+        """Commit pairs without feeding them yet: the next `advance` or draft feeds them first."""
+        if inputs.media is not None:
+            raise ValueError("pairs with media are fed at once (prefill), never deferred")
+        self.deferred.append(inputs)
+
+    def light_expander(self) -> None:
+        """A neural session has no part that drafts for free."""
+        return None
+
     def root_candidates(self, topk: int) -> tuple[Tensor, Tensor]:
+        if self.deferred:  # catch up on the pairs committed while the drafter was idle
+            deferred, self.deferred = self.deferred, []
+            self.advance(concat_pairs(deferred))
         logprobs = self.drafter.draft_logprobs(self.last_hidden)  # [B, Vd]
         top = logprobs.topk(min(topk, logprobs.shape[-1]), dim=-1)
         self.frontier_hidden = self.last_hidden[:, None]
@@ -71,3 +105,25 @@ class DraftSession:
         """Keep only batch rows `rows` (finished sequences leave the batch)."""
         self.cache.select_rows(rows)
         self.last_hidden = self.last_hidden[rows]
+        self.deferred = [DraftInputs(i.features[rows], i.next_ids[rows], i.num_new[rows]) for i in self.deferred]
+
+
+def concat_pairs(items: list[DraftInputs]) -> DraftInputs:
+    """Several steps' committed pairs as one `DraftInputs`, each row's valid pairs packed in order
+    (steps commit ragged numbers of pairs per row, so a plain concatenation would leave gaps)."""
+    if len(items) == 1:
+        return items[0]
+    num_new = torch.stack([i.num_new for i in items]).sum(0)  # [B]
+    first = items[0]
+    batch, width = first.next_ids.shape[0], int(num_new.max())
+    features = first.features.new_zeros(batch, width, first.features.shape[-1])
+    next_ids = first.next_ids.new_zeros(batch, width)
+    offset = torch.zeros_like(num_new)
+    for item in items:
+        cols = torch.arange(item.next_ids.shape[1], device=num_new.device)
+        rows, src = (cols[None, :] < item.num_new[:, None]).nonzero(as_tuple=True)
+        dest = offset[rows] + src
+        features[rows, dest] = item.features[rows, src]
+        next_ids[rows, dest] = item.next_ids[rows, src]
+        offset = offset + item.num_new
+    return DraftInputs(features, next_ids, num_new)

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from mmvsd.checkpoints import read_config
-from mmvsd.draft_session import DraftSession
+from mmvsd.draft_session import DraftInputs, DraftSession  # noqa: F401  (DraftInputs: re-exported)
 from mmvsd.errors import UserError
 from mmvsd.files import atomic_dir
 from mmvsd.kv import RaggedCache
@@ -47,16 +47,6 @@ class PairMedia:
     def mask(self) -> Tensor:
         """[B, Q] bool: the next token is a media token."""
         return self.span_ids >= 0
-
-
-@dataclass(frozen=True)
-class DraftInputs:
-    """Positions newly committed by the target, to be fed to the drafter as pairs."""
-
-    features: Tensor  # [B, A, F] target features at each committed position (`Drafter.target_features`)
-    next_ids: Tensor  # [B, A] the token that follows each position
-    num_new: Tensor  # [B] valid pairs per row (rows are right-padded)
-    media: PairMedia | None = None  # media at the following tokens (prompts with images), else None
 
 
 class Drafter(nn.Module):

@@ -68,6 +68,15 @@ class HybridSession:
         self.neural.advance(inputs)
         self.ngram.advance(inputs)
 
+    def defer(self, inputs: DraftInputs) -> None:
+        """The n-gram histories take the pairs now (free); the neural drafter when it next drafts."""
+        self.neural.defer(inputs)
+        self.ngram.advance(inputs)
+
+    def light_expander(self) -> NgramSession:
+        """The n-gram proposer alone: a draft tree that costs no drafter time."""
+        return self.ngram
+
     def root_candidates(self, topk: int) -> tuple[Tensor, Tensor]:
         neural_ids, neural_logprobs = self.neural.root_candidates(topk)  # [B, kn]
         limit = self.ngram.config.num_continuations

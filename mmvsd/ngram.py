@@ -241,6 +241,18 @@ class NgramSession:
             self.indexes[row].extend(tokens)
         self.tries = [None] * len(self.indexes)
 
+    def defer(self, inputs: DraftInputs) -> None:
+        """Proposing costs nothing here: deferred pairs are taken at once."""
+        self.advance(inputs)
+
+    def light_expander(self) -> None:
+        """The whole session is light already."""
+        return None
+
+    def has_proposals(self) -> bool:
+        """Whether any row's history continues an earlier match (a root proposal exists)."""
+        return any(index.continuations() for index in self.indexes)
+
     def root_proposals(self, limit: int, min_width: int) -> tuple[Tensor, Tensor]:
         """The root's best `limit` proposals per row: (ids [B, k], log-probs [B, k]), k >= min_width,
         -inf where a row has fewer."""

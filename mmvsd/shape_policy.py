@@ -37,6 +37,23 @@ class StepCosts(Protocol):
     def draft_fixed(self, batch: int = 1) -> float: ...
 
 
+class FreeDrafting:
+    """`StepCosts` of the same target with a drafter that costs nothing (an n-gram lookup takes
+    tens of microseconds against a target step of tens of milliseconds)."""
+
+    def __init__(self, costs: StepCosts) -> None:
+        self.costs = costs
+
+    def target_step(self, num_nodes: int, batch: int = 1) -> float:
+        return self.costs.target_step(num_nodes, batch)
+
+    def draft_expand(self, width: int, batch: int = 1) -> float:
+        return 0.0
+
+    def draft_fixed(self, batch: int = 1) -> float:
+        return 0.0
+
+
 class AcceptanceStats:
     """Acceptance of draft nodes learnt online: by draft-probability bin (the calibration the
     per-step plan uses) and by (depth, sibling rank) (what a static shape is built from).
@@ -181,6 +198,10 @@ class AutoShape:
                                   self.budget - 1)
         return nodes
 
+    def without_drafter(self) -> AutoShape:
+        """The same plan for trees that cost no drafter time (n-gram-only trees), sharing the stats."""
+        return AutoShape(FreeDrafting(self.costs), self.stats, self.topk, self.depth, self.budget)
+
     def observe(self, tree, verdict) -> None:
         """Learn acceptance from a verified tree (mmvsd.tree.DraftTree, mmvsd.verify.Verdict)."""
         if tree.num_nodes < 2:
@@ -191,43 +212,80 @@ class AutoShape:
 
 
 class SpeedGuard:
-    """Never slower than plain decoding: compares the measured tokens/s of speculative steps with
-    that of plain steps; while speculation loses, takes plain steps for a back-off period (doubling
-    each time a probe loses again, reset when one wins), then probes again."""
+    """Never slower than the cheaper of two kinds of step: compares the measured tokens/s of the
+    costly kind (drafting with the neural drafter) with that of the cheap kind (a plain step, or an
+    n-gram-only tree); while the costly kind loses, takes cheap steps for a back-off period
+    (doubling each time a probe loses again, reset when one wins), then probes again.
 
-    def __init__(self, plain_rate_estimate: float, probe_steps: int = 4, window: int = 8,
-                 backoff: int = 16, max_backoff: int = 512, margin: float = 0.02) -> None:
+    `cheap_first`: measure the cheap kind first (its rate is not known beforehand, as a plain step's
+    is from the cost profile); `reprobe_every`: after that many costly steps in a row, measure the
+    cheap kind again (0: never), since the cheap kind's rate changes with the text (n-gram matches).
+    """
+
+    def __init__(self, cheap_rate_estimate: float, probe_steps: int = 4, window: int = 8,
+                 backoff: int = 16, max_backoff: int = 512, margin: float = 0.02,
+                 cheap_first: bool = False, reprobe_every: int = 0) -> None:
         self.probe_steps, self.window, self.margin = probe_steps, window, margin
         self.first_backoff, self.backoff, self.max_backoff = backoff, backoff, max_backoff
-        self.plain_log: list[tuple[int, float]] = [(1, 1.0 / plain_rate_estimate)]  # (tokens, seconds)
-        self.spec_log: list[tuple[int, float]] = []
-        self.plain_left = 0  # plain steps still to take before the next probe
+        self.reprobe_every = reprobe_every
+        self.cheap_log: list[tuple[int, float]] = [] if cheap_first else [(1, 1.0 / cheap_rate_estimate)]
+        self.costly_log: list[tuple[int, float]] = []  # (tokens, seconds)
+        self.cheap_left = probe_steps if cheap_first else 0  # cheap steps still to take before the next probe
+        self.costly_run = 0  # costly steps since the last cheap one
 
-    def plain_step(self) -> bool:
-        """Whether the next step should be a plain one."""
-        return self.plain_left > 0
+    def cheap_step(self) -> bool:
+        """Whether the next step should be a cheap one."""
+        return self.cheap_left > 0
 
-    def record(self, plain: bool, tokens: int, seconds: float) -> None:
+    def record(self, cheap: bool, tokens: int, seconds: float) -> None:
         """Account one step: committed tokens of the batch and its wall time."""
-        log = self.plain_log if plain else self.spec_log
+        log = self.cheap_log if cheap else self.costly_log
         log.append((tokens, seconds))
         del log[: -self.window]
-        if plain:
-            self.plain_left -= 1
-            if self.plain_left == 0:
-                self.spec_log.clear()  # the next probe is judged on fresh steps
+        if cheap:
+            self.costly_run = 0
+            self.cheap_left -= 1
+            if self.cheap_left == 0:
+                self.costly_log.clear()  # the next probe is judged on fresh steps
             return
-        if len(self.spec_log) < self.probe_steps:
+        self.costly_run += 1
+        if len(self.costly_log) < self.probe_steps:
             return
-        if _rate(self.spec_log) < _rate(self.plain_log) * (1 - self.margin):
-            self.plain_left = self.backoff
+        if _rate(self.costly_log) < _rate(self.cheap_log) * (1 - self.margin):
+            self.cheap_left = self.backoff
             self.backoff = min(2 * self.backoff, self.max_backoff)
         else:
             self.backoff = self.first_backoff
+            if self.reprobe_every and self.costly_run >= self.reprobe_every:
+                self.cheap_left = self.probe_steps
+
+
+PLAIN, LIGHT, FULL = "plain", "light", "full"  # the kinds of step (`StepChooser`)
+
+
+class StepChooser:
+    """`--tree auto`'s choice of step: `full` (the whole drafter: a neural drafter, with its n-gram
+    branches in a hybrid), `light` (a tree of the n-gram branches alone: no drafter time) or `plain`
+    (no tree). Where n-gram proposals exist the choice is light vs full, else plain vs full; each
+    choice is a `SpeedGuard` on the rates measured in its own situation."""
+
+    def __init__(self, plain_rate_estimate: float) -> None:
+        self.guards = {PLAIN: SpeedGuard(plain_rate_estimate),
+                       LIGHT: SpeedGuard(plain_rate_estimate, cheap_first=True, reprobe_every=64)}
+        self.cheap = PLAIN
+
+    def step_kind(self, light_ready: bool) -> str:
+        """The next step's kind; `light_ready`: an n-gram-only tree would have proposals."""
+        self.cheap = LIGHT if light_ready else PLAIN
+        return self.cheap if self.guards[self.cheap].cheap_step() else FULL
+
+    def record(self, kind: str, tokens: int, seconds: float) -> None:
+        """Account the step `step_kind` chose: committed tokens of the batch and its wall time."""
+        self.guards[self.cheap].record(kind != FULL, tokens, seconds)
 
 
 def _rate(log: list[tuple[int, float]]) -> float:
-    """Tokens per second over a log of (tokens, seconds) steps."""
+    """Tokens per second over a log of (tokens, seconds) steps (0 for an empty log)."""
     return sum(t for t, _ in log) / max(sum(s for _, s in log), 1e-12)
 
 

@@ -12,7 +12,19 @@ import torch
 from conftest import PROMPT_POOL
 from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate
 from mmvsd.errors import UserError
-from mmvsd.shape_policy import AcceptanceStats, AutoShape, SpeedGuard, best_num_nodes, best_static_tree
+from mmvsd.drafter_base import DraftInputs
+from mmvsd.hybrid import with_ngram
+from mmvsd.shape_policy import (
+    FULL,
+    LIGHT,
+    PLAIN,
+    AcceptanceStats,
+    AutoShape,
+    SpeedGuard,
+    StepChooser,
+    best_num_nodes,
+    best_static_tree,
+)
 from mmvsd.tree import DraftTree, TreeShape
 
 
@@ -133,18 +145,18 @@ def test_auto_shape_skips_a_useless_drafter_and_grows_for_a_good_one():
 
 
 def test_speed_guard_falls_back_and_probes_again():
-    guard = SpeedGuard(plain_rate_estimate=100.0, probe_steps=4, backoff=5)
+    guard = SpeedGuard(cheap_rate_estimate=100.0, probe_steps=4, backoff=5)
     for _ in range(4):
-        assert not guard.plain_step()
+        assert not guard.cheap_step()
         guard.record(False, 1, 0.02)  # 50 tokens/s < 100 plain
-    assert guard.plain_step()
+    assert guard.cheap_step()
     for _ in range(5):
-        assert guard.plain_step()
+        assert guard.cheap_step()
         guard.record(True, 1, 0.01)
-    assert not guard.plain_step()  # probing again
+    assert not guard.cheap_step()  # probing again
     for _ in range(4):
         guard.record(False, 4, 0.02)  # 200 tokens/s: speculation wins now
-    assert not guard.plain_step() and guard.backoff == 5
+    assert not guard.cheap_step() and guard.backoff == 5
 
 
 class FixedGuardCosts(LinearCosts):
@@ -174,7 +186,7 @@ def test_guard_fallback_then_probe_is_lossless(tiny_target, fitted_drafter, monk
     """Plain steps queue the drafter's pairs; when drafting resumes it must see them all (lossless,
     and still accepting drafts afterwards)."""
     pattern = itertools.cycle([True] * 5 + [False] * 3)
-    monkeypatch.setattr(SpeedGuard, "plain_step", lambda self: next(pattern))
+    monkeypatch.setattr(SpeedGuard, "cheap_step", lambda self: next(pattern))
     prompts = PROMPT_POOL[2:5]
     config = DecodeConfig(max_new_tokens=48, tree="auto")
     spec = speculative_generate(tiny_target, fitted_drafter, prompts, config, costs=LinearCosts(per_token=0.0005))
@@ -198,3 +210,90 @@ def test_observe_ignores_root_only_trees():
     tree = DraftTree(root[:, None], torch.full((1, 1), -1), torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1))
     plan.observe(tree, None)
     assert float(plan.stats.rank_tried.sum()) == 0
+
+
+def test_speed_guard_measures_the_cheap_kind_first_and_reprobes_it():
+    guard = SpeedGuard(cheap_rate_estimate=1.0, probe_steps=2, backoff=3, cheap_first=True, reprobe_every=5)
+    for _ in range(2):
+        assert guard.cheap_step()
+        guard.record(True, 2, 0.01)  # cheap: 200 tokens/s
+    for _ in range(2):
+        assert not guard.cheap_step()
+        guard.record(False, 6, 0.02)  # costly: 300 tokens/s wins
+    for _ in range(3):
+        assert not guard.cheap_step()
+        guard.record(False, 6, 0.02)
+    assert guard.cheap_step()  # 5 costly steps in a row: measure the cheap kind again
+    for _ in range(2):
+        guard.record(True, 9, 0.01)  # cheap now 900 tokens/s
+    for _ in range(2):
+        assert not guard.cheap_step()
+        guard.record(False, 6, 0.02)
+    assert guard.cheap_step() and guard.cheap_left == 3  # the costly kind lost: back off
+
+
+def test_step_chooser_keeps_a_guard_per_situation():
+    chooser = StepChooser(plain_rate_estimate=100.0)
+    assert chooser.step_kind(light_ready=False) == FULL  # a plain step's rate is known from the profile
+    assert chooser.step_kind(light_ready=True) == LIGHT  # an n-gram-only tree's is measured first
+    kinds = []
+    for _ in range(8):  # 4 light steps are measured, then 4 full ones
+        kinds.append(chooser.step_kind(light_ready=True))
+        chooser.record(kinds[-1], 3 if kinds[-1] == LIGHT else 1, 0.01)  # light: 300 tokens/s, full: 100
+    assert kinds == [LIGHT] * 4 + [FULL] * 4
+    assert chooser.step_kind(light_ready=True) == LIGHT  # full lost: back to n-gram-only trees
+    for _ in range(4):
+        kind = chooser.step_kind(light_ready=False)
+        assert kind == FULL  # the plain-vs-full guard saw none of the steps above
+        chooser.record(kind, 1, 0.02)  # 50 tokens/s < 100 plain
+    assert chooser.step_kind(light_ready=False) == PLAIN
+
+
+def test_deferred_pairs_reach_the_drafter_as_if_fed_each_step(tiny_target, fitted_drafter):
+    """Ragged pairs of several steps, deferred, then fed in one advance: same drafter state."""
+    torch.manual_seed(0)
+    width = 3 * tiny_target.hidden_size  # an EAGLE-3 drafter reads three target layers
+    steps = []
+    for num_new in ([3, 1], [1, 2], [2, 3]):
+        num_new = torch.tensor(num_new)
+        steps.append(DraftInputs(torch.randn(2, 3, width), torch.randint(0, 100, (2, 3)), num_new))
+    eager, lazy = fitted_drafter.new_session(2), fitted_drafter.new_session(2)
+    for inputs in steps:
+        eager.advance(inputs)
+    for inputs in steps[:-1]:
+        lazy.defer(inputs)
+    lazy.advance(steps[-1])
+    torch.testing.assert_close(lazy.last_hidden, eager.last_hidden, atol=1e-4, rtol=1e-4)  # other GEMM shapes
+    assert torch.equal(lazy.cache.lens, eager.cache.lens)
+    ids_eager, lp_eager = eager.root_candidates(4)
+    lazy2 = fitted_drafter.new_session(2)
+    for inputs in steps:
+        lazy2.defer(inputs)
+    ids_lazy, lp_lazy = lazy2.root_candidates(4)  # drafting catches up on its own
+    assert torch.equal(ids_lazy, ids_eager)
+    torch.testing.assert_close(lp_lazy, lp_eager, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_auto_mixing_plain_light_and_full_steps_is_lossless(tiny_target, fitted_drafter, monkeypatch, batch):
+    """A hybrid under `--tree auto` takes all three kinds of step in turn: the neural drafter must
+    catch up on the pairs of plain and n-gram-only steps (lossless, and still accepting drafts)."""
+    kinds = itertools.cycle([FULL, PLAIN, PLAIN, FULL])
+    taken = []
+
+    def step_kind(self, light_ready):  # every other step n-gram-only where the lookup finds something
+        kind = LIGHT if light_ready and len(taken) % 2 else next(kinds)
+        self.cheap = LIGHT if light_ready else PLAIN
+        taken.append(kind)
+        return kind
+
+    monkeypatch.setattr(StepChooser, "step_kind", step_kind)
+    prompts = PROMPT_POOL[:batch]
+    config = DecodeConfig(max_new_tokens=48, tree="auto")
+    spec = speculative_generate(tiny_target, with_ngram(fitted_drafter), prompts, config,
+                                costs=LinearCosts(per_token=0.0005))
+    for prompt, result in zip(prompts, spec):
+        ref = vanilla_generate(tiny_target, [prompt], DecodeConfig(max_new_tokens=48))[0]
+        assert result.output_ids == ref.output_ids
+    assert all(taken.count(kind) >= 2 for kind in (PLAIN, LIGHT, FULL))
+    assert max(max(r.accept_lengths) for r in spec) >= 3
