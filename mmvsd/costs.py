@@ -17,6 +17,7 @@ import platform
 import re
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -317,8 +318,18 @@ def machine_fingerprint(device: torch.device) -> dict[str, str]:
     }
 
 
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> fingerprint
+
+
 def target_fingerprint(target: Target) -> str:
-    """A hash of the target's config and a few weight sums: changes when its weights change."""
+    """A hash of the target's config and a few weight sums, computed once per loaded model (summing
+    the embedding takes a tenth of a second, which every decode call would otherwise pay)."""
+    if target.model not in _FINGERPRINTS:
+        _FINGERPRINTS[target.model] = _fingerprint(target)
+    return _FINGERPRINTS[target.model]
+
+
+def _fingerprint(target: Target) -> str:
     config = target.model.config.to_dict()
     for volatile in ("_name_or_path", "transformers_version", "dtype", "torch_dtype"):
         config.pop(volatile, None)
