@@ -199,8 +199,9 @@ class AutoShape:
         return nodes
 
     def without_drafter(self) -> AutoShape:
-        """The same plan for trees that cost no drafter time (n-gram-only trees), sharing the stats."""
-        return AutoShape(FreeDrafting(self.costs), self.stats, self.topk, self.depth, self.budget)
+        """The same plan for trees that cost no drafter time (n-gram-only trees), with acceptance
+        statistics of its own: what n-gram-only trees accept is not what mixed trees accept."""
+        return AutoShape(FreeDrafting(self.costs), AcceptanceStats(), self.topk, self.depth, self.budget)
 
     def observe(self, tree, verdict) -> None:
         """Learn acceptance from a verified tree (mmvsd.tree.DraftTree, mmvsd.verify.Verdict)."""
