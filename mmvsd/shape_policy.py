@@ -72,6 +72,15 @@ class AcceptanceStats:
         self.bin_accepted = mids.double() * prior_weight
         self.rank_tried = torch.zeros(MAX_STAT_DEPTH, MAX_RANK, dtype=torch.float64)
         self.rank_accepted = torch.zeros(MAX_STAT_DEPTH, MAX_RANK, dtype=torch.float64)
+        self.prior_weight = prior_weight
+        self._light: AcceptanceStats | None = None
+
+    def light(self) -> AcceptanceStats:
+        """The statistics of n-gram-only trees, kept beside these (a caller carrying these from call
+        to call carries both): what n-gram-only trees accept is not what mixed trees accept."""
+        if self._light is None:
+            self._light = AcceptanceStats(self.prior_weight)
+        return self._light
 
     def calibrated(self, cond_logprobs: Tensor) -> Tensor:
         """Estimated acceptance c (same shape) of nodes with these conditional draft log-probs."""
@@ -199,9 +208,8 @@ class AutoShape:
         return nodes
 
     def without_drafter(self) -> AutoShape:
-        """The same plan for trees that cost no drafter time (n-gram-only trees), with acceptance
-        statistics of its own: what n-gram-only trees accept is not what mixed trees accept."""
-        return AutoShape(FreeDrafting(self.costs), AcceptanceStats(), self.topk, self.depth, self.budget)
+        """The same plan for trees that cost no drafter time (n-gram-only trees), on their own statistics."""
+        return AutoShape(FreeDrafting(self.costs), self.stats.light(), self.topk, self.depth, self.budget)
 
     def observe(self, tree, verdict) -> None:
         """Learn acceptance from a verified tree (mmvsd.tree.DraftTree, mmvsd.verify.Verdict)."""

@@ -297,3 +297,13 @@ def test_auto_mixing_plain_light_and_full_steps_is_lossless(tiny_target, fitted_
         assert result.output_ids == ref.output_ids
     assert all(taken.count(kind) >= 2 for kind in (PLAIN, LIGHT, FULL))
     assert max(max(r.accept_lengths) for r in spec) >= 3
+
+
+def test_light_plan_keeps_its_own_statistics_and_carries_them():
+    stats = AcceptanceStats()
+    plan = AutoShape(LinearCosts(), stats)
+    light = plan.without_drafter()
+    assert light.stats is stats.light() and light.stats is not stats
+    assert AutoShape(LinearCosts(), stats).without_drafter().stats is light.stats  # the next call learns on
+    assert light.costs.draft_fixed() == 0.0 and light.costs.draft_expand(4) == 0.0
+    assert light.costs.target_step(5) == plan.costs.target_step(5)
