@@ -1,5 +1,5 @@
 """`--tree auto`: the shape chooser against brute force, acceptance learning, the speed guard, and
-lossless decoding in every mode it can take (auto, fallback to plain steps, probing again)."""
+lossless decoding in every mode it can take (auto, plain and n-gram-only steps, probing again)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 
 from conftest import PROMPT_POOL
 from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate
-from mmvsd.errors import UserError
 from mmvsd.drafter_base import DraftInputs
+from mmvsd.errors import UserError
 from mmvsd.hybrid import with_ngram
 from mmvsd.shape_policy import (
     FULL,
