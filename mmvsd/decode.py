@@ -256,7 +256,7 @@ def _shape_plan(target: Target, drafter: Drafter, config: DecodeConfig, batch: i
     if costs is None:
         costs = load_cost_table(target, drafter, batch_sizes=(batch,))
     plan = AutoShape(costs, stats if stats is not None else AcceptanceStats())
-    return plan, StepChooser(batch / costs.target_step(1, batch))
+    return plan, StepChooser()
 
 
 def _next_draft_inputs(tree_ids: Tensor, tree_features: Tensor, verdict) -> DraftInputs:

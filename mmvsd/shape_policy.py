@@ -222,24 +222,24 @@ class AutoShape:
 
 class SpeedGuard:
     """Never slower than the cheaper of two kinds of step: compares the measured tokens/s of the
-    costly kind (drafting with the neural drafter) with that of the cheap kind (a plain step, or an
+    costly kind (a tree from the whole drafter) with that of the cheap kind (a plain step, or an
     n-gram-only tree); while the costly kind loses, takes cheap steps for a back-off period
     (doubling each time a probe loses again, reset when one wins), then probes again.
 
-    `cheap_first`: measure the cheap kind first (its rate is not known beforehand, as a plain step's
-    is from the cost profile); `reprobe_every`: after that many costly steps in a row, measure the
-    cheap kind again (0: never), since the cheap kind's rate changes with the text (n-gram matches).
+    The cheap kind is measured first, on this text: a cost profile's plain step is timed at another
+    context length without sampling, and an n-gram-only tree's rate depends on the text.
+    `reprobe_every`: after that many costly steps in a row, measure the cheap kind again (0: never),
+    for cheap kinds whose rate changes as the text goes on (n-gram matches).
     """
 
-    def __init__(self, cheap_rate_estimate: float, probe_steps: int = 4, window: int = 8,
-                 backoff: int = 16, max_backoff: int = 512, margin: float = 0.02,
-                 cheap_first: bool = False, reprobe_every: int = 0) -> None:
+    def __init__(self, probe_steps: int = 4, window: int = 8, backoff: int = 16, max_backoff: int = 512,
+                 margin: float = 0.02, reprobe_every: int = 0) -> None:
         self.probe_steps, self.window, self.margin = probe_steps, window, margin
         self.first_backoff, self.backoff, self.max_backoff = backoff, backoff, max_backoff
         self.reprobe_every = reprobe_every
-        self.cheap_log: list[tuple[int, float]] = [] if cheap_first else [(1, 1.0 / cheap_rate_estimate)]
-        self.costly_log: list[tuple[int, float]] = []  # (tokens, seconds)
-        self.cheap_left = probe_steps if cheap_first else 0  # cheap steps still to take before the next probe
+        self.cheap_log: list[tuple[int, float]] = []  # (tokens, seconds)
+        self.costly_log: list[tuple[int, float]] = []
+        self.cheap_left = probe_steps  # cheap steps still to take before the next probe of the costly kind
         self.costly_run = 0  # costly steps since the last cheap one
 
     def cheap_step(self) -> bool:
@@ -278,9 +278,8 @@ class StepChooser:
     (no tree). Where n-gram proposals exist the choice is light vs full, else plain vs full; each
     choice is a `SpeedGuard` on the rates measured in its own situation."""
 
-    def __init__(self, plain_rate_estimate: float) -> None:
-        self.guards = {PLAIN: SpeedGuard(plain_rate_estimate),
-                       LIGHT: SpeedGuard(plain_rate_estimate, cheap_first=True, reprobe_every=64)}
+    def __init__(self) -> None:
+        self.guards = {PLAIN: SpeedGuard(), LIGHT: SpeedGuard(reprobe_every=64)}
         self.cheap = PLAIN
 
     def step_kind(self, light_ready: bool) -> str:

@@ -145,10 +145,13 @@ def test_auto_shape_skips_a_useless_drafter_and_grows_for_a_good_one():
 
 
 def test_speed_guard_falls_back_and_probes_again():
-    guard = SpeedGuard(cheap_rate_estimate=100.0, probe_steps=4, backoff=5)
+    guard = SpeedGuard(probe_steps=4, backoff=5)
+    for _ in range(4):  # the cheap kind is measured first
+        assert guard.cheap_step()
+        guard.record(True, 1, 0.01)  # 100 tokens/s
     for _ in range(4):
         assert not guard.cheap_step()
-        guard.record(False, 1, 0.02)  # 50 tokens/s < 100 plain
+        guard.record(False, 1, 0.02)  # 50 tokens/s < 100
     assert guard.cheap_step()
     for _ in range(5):
         assert guard.cheap_step()
@@ -212,8 +215,8 @@ def test_observe_ignores_root_only_trees():
     assert float(plan.stats.rank_tried.sum()) == 0
 
 
-def test_speed_guard_measures_the_cheap_kind_first_and_reprobes_it():
-    guard = SpeedGuard(cheap_rate_estimate=1.0, probe_steps=2, backoff=3, cheap_first=True, reprobe_every=5)
+def test_speed_guard_reprobes_the_cheap_kind():
+    guard = SpeedGuard(probe_steps=2, backoff=3, reprobe_every=5)
     for _ in range(2):
         assert guard.cheap_step()
         guard.record(True, 2, 0.01)  # cheap: 200 tokens/s
@@ -233,20 +236,19 @@ def test_speed_guard_measures_the_cheap_kind_first_and_reprobes_it():
 
 
 def test_step_chooser_keeps_a_guard_per_situation():
-    chooser = StepChooser(plain_rate_estimate=100.0)
-    assert chooser.step_kind(light_ready=False) == FULL  # a plain step's rate is known from the profile
-    assert chooser.step_kind(light_ready=True) == LIGHT  # an n-gram-only tree's is measured first
+    chooser = StepChooser()
     kinds = []
     for _ in range(8):  # 4 light steps are measured, then 4 full ones
         kinds.append(chooser.step_kind(light_ready=True))
         chooser.record(kinds[-1], 3 if kinds[-1] == LIGHT else 1, 0.01)  # light: 300 tokens/s, full: 100
     assert kinds == [LIGHT] * 4 + [FULL] * 4
     assert chooser.step_kind(light_ready=True) == LIGHT  # full lost: back to n-gram-only trees
-    for _ in range(4):
-        kind = chooser.step_kind(light_ready=False)
-        assert kind == FULL  # the plain-vs-full guard saw none of the steps above
-        chooser.record(kind, 1, 0.02)  # 50 tokens/s < 100 plain
-    assert chooser.step_kind(light_ready=False) == PLAIN
+    kinds = []
+    for _ in range(8):  # the plain-vs-full guard saw none of the steps above: it measures both afresh
+        kinds.append(chooser.step_kind(light_ready=False))
+        chooser.record(kinds[-1], 2 if kinds[-1] == FULL else 1, 0.01)  # full: 200 tokens/s, plain: 100
+    assert kinds == [PLAIN] * 4 + [FULL] * 4
+    assert chooser.step_kind(light_ready=False) == FULL
 
 
 def test_deferred_pairs_reach_the_drafter_as_if_fed_each_step(tiny_target, fitted_drafter):
