@@ -225,8 +225,10 @@ def speculative_generate(
         kind = FULL if chooser is None else chooser.step_kind(light is not None and light.has_proposals())
         if kind == PLAIN:
             tree = root_only_tree(roots)
+        elif kind == LIGHT:
+            tree = build_dynamic_tree(roots, light, light_plan)
         else:
-            tree = build_dynamic_tree(roots, *((session, plan) if kind == FULL else (light, light_plan)))
+            tree = build_dynamic_tree(roots, session, plan)
         out = target.forward(cache, tree.token_ids, tree.depths, tree.ancestor_mask(), need_aux=drafter.reads_aux)
         verdict = verify(tree, out.logits, config.temperature, generator)
         num_kept = verdict.num_accepted + 1  # root + accepted draft tokens
