@@ -180,8 +180,27 @@ def _add_lab(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--output", help="projector folder (default: the mmvsd cache, which --target smol-llava uses)")
 
 
+class VersionAction(argparse.Action):
+    """`mmvsd --version`: mmvsd's version and torch/transformers/accelerate's in use, with one warning line
+    on stderr when any of them differs from what CI tested (mmvsd/constraints.txt)."""
+
+    def __init__(self, option_strings, dest, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from mmvsd.versions import version_report  # CLI start-up: only --version reads the constraints
+
+        report, warning = version_report()
+        print(report)
+        if warning:
+            print(warning, file=sys.stderr)
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmvsd", description="Multimodal speculative decoding toolkit.")
+    parser.add_argument("--version", action=VersionAction,
+                        help="print the versions of mmvsd, torch, transformers and accelerate, and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_train(sub)
@@ -411,6 +430,14 @@ def main(argv: list[str] | None = None) -> int:
         COMMANDS[args.command](args)
     except UserError as err:
         print(f"mmvsd: error: {err}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as err:  # a package of an extra that this install left out
+        from mmvsd.versions import missing_package_message  # CLI start-up: only on this error
+
+        message = missing_package_message(err)
+        if message is None:
+            raise
+        print(f"mmvsd: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("mmvsd: interrupted", file=sys.stderr)

@@ -127,7 +127,7 @@ class Target:
             inputs_embeds=inputs_embeds,
             attention_mask=mask,
             position_ids=cache.positions(depths, past_lens),
-            past_key_values=cache.kv,
+            cache=cache.kv,
             use_cache=True,
             output_hidden_states=need_aux,
         )

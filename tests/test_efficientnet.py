@@ -124,7 +124,7 @@ def test_llava_projector_reads_the_multi_scale_patch_tokens(tiny_llava, imagenet
     assert seen["features"].shape == (1, 49, 2382)
     torch.testing.assert_close(seen["features"], expected, rtol=0, atol=1e-5)
     assert out.logits.shape == (1, 53, 256)
-    torch.testing.assert_close(out.image_hidden_states, projected)  # [num_images*49, H]
+    torch.testing.assert_close(out.image_outputs.pooler_output[0], projected)  # one [49, H] per image
 
 
 def test_save_pretrained_round_trip(tiny_llava, tmp_path):

@@ -295,3 +295,15 @@ def test_shipped_smol_llava_drafters_decode_image_prompts_losslessly(monkeypatch
     assert [r.output_ids for r in decoded] == [r.output_ids for r in vanilla_generate(target, prompts, DecodeConfig(64))]
     tau = sum(len(r.output_ids) for r in decoded) / sum(r.num_target_forwards for r in decoded)
     assert tau > 2.5
+
+
+@pytest.mark.parametrize("fp32_seconds, bf16_seconds, expected", [(2.0, 1.0, True), (1.0, 0.9, False)])
+def test_auto_precision_follows_the_measured_matmul_speed(monkeypatch, fp32_seconds, bf16_seconds, expected):
+    """Both branches of precision=auto, with the timings injected: bf16 where a bf16 product is >= 1.5x faster
+    (CPUs with AMX or AVX-512-bf16), fp32 where it is not (AVX2-only CPUs emulate bf16)."""
+    timings = {torch.float32: fp32_seconds, torch.bfloat16: bf16_seconds}
+    monkeypatch.setattr(training, "timed", lambda device, product: timings[product.args[0].dtype])
+    assert training.use_bf16("auto", size=8) is expected
+    assert training.use_bf16("bf16") is True and training.use_bf16("fp32") is False
+    with pytest.raises(ValueError):
+        training.use_bf16("fp16")

@@ -227,7 +227,7 @@ def fold_standardisation(layer: torch.nn.Linear, mean: Tensor, scale: Tensor) ->
 def prefix_cache(model: LlavaForConditionalGeneration, prefix_ids: list[int]) -> DynamicCache:
     """KV cache of the prompt prefix every example shares (system prompt and user header), batch 1."""
     cache = DynamicCache()
-    model.model.language_model(input_ids=torch.tensor([prefix_ids]), past_key_values=cache, use_cache=True)
+    model.model.language_model(input_ids=torch.tensor([prefix_ids]), cache=cache, use_cache=True)
     return cache
 
 
@@ -250,10 +250,10 @@ def batch_loss(model: LlavaForConditionalGeneration, features: Tensor, examples:
         cache = copy.deepcopy(shared_cache)
     else:  # the prefix ids: the language model is training too, so its prefix cache is recomputed every step
         cache = DynamicCache()
-        model.model.language_model(input_ids=torch.tensor([shared_cache]), past_key_values=cache, use_cache=True)
+        model.model.language_model(input_ids=torch.tensor([shared_cache]), cache=cache, use_cache=True)
     cache.batch_repeat_interleave(len(examples))
     # right padding needs no mask: causal attention keeps pad tokens out of every real token's view
-    hidden = model.model.language_model(inputs_embeds=embeds, past_key_values=cache, use_cache=True).last_hidden_state
+    hidden = model.model.language_model(inputs_embeds=embeds, cache=cache, use_cache=True).last_hidden_state
     predicts = labels[:, 1:] != -100  # hidden state t predicts token t + 1
     logits = model.lm_head(hidden[:, :-1][predicts])  # [num answer tokens, V]
     return F.cross_entropy(logits.float(), labels[:, 1:][predicts])
