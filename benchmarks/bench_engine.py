@@ -26,14 +26,14 @@ from importlib import resources
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from mmvsd.baselines import hf_generate
-from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate
+from mmvsd.decoding.decode import DecodeConfig, speculative_generate, vanilla_generate
+from mmvsd.decoding.kv import RaggedCache
+from mmvsd.decoding.tree import TreeShape
 from mmvsd.drafters import load_drafter
 from mmvsd.drafters.eagle3 import Eagle3Drafter
-from mmvsd.kv import RaggedCache
+from mmvsd.eval.baselines import hf_generate
 from mmvsd.target import Target
 from mmvsd.target_loader import load_target
-from mmvsd.tree import TreeShape
 
 
 def mt_bench_first_turns() -> list[str]:

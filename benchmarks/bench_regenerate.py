@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from mmvsd.data.conversations import load_conversations
-from mmvsd.data.regenerate import RegenerateStats, regenerate_conversations
 from mmvsd.target_loader import load_target
+from mmvsd.training.regenerate import RegenerateStats, regenerate_conversations
 
 
 def parse_args() -> argparse.Namespace:

@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from mmvsd.drafters.eagle3 import Eagle3Drafter
-from mmvsd.features import capture_features, collate
-from mmvsd.objectives import ObjectiveConfig, make_objective
 from mmvsd.target_loader import load_target
-from mmvsd.train_data import draft_vocab_from_counts, load_examples, token_frequencies
+from mmvsd.training.dataset import draft_vocab_from_counts, load_examples, token_frequencies
+from mmvsd.training.features import capture_features, collate
+from mmvsd.training.objectives import ObjectiveConfig, make_objective
 
 
 def parse_args() -> argparse.Namespace:

@@ -141,8 +141,8 @@ def worker_main(mode: str, job_file: str, answer_file: str) -> None:
 
 def chains_and_outputs(target, drafter, prompts: list[list[int]], k: int, max_new_tokens: int) -> list[dict]:
     """mmvsd greedy decoding with K-token chains: the chain drafted at every step and the output."""
-    from mmvsd import decode
-    from mmvsd.tree import TreeShape
+    from mmvsd.decoding import decode
+    from mmvsd.decoding.tree import TreeShape
 
     chains: list[list[int]] = []
     original = decode.build_dynamic_tree
@@ -215,7 +215,7 @@ def prompt_ids(target, count: int) -> list[list[int]]:
 def prepare_exports(target, spec: str, work: Path, seed: int) -> tuple:
     """The drafter (`random`, a shipped name or a folder) and its eagle3 and speculators exports under `work`."""
     from mmvsd.drafter_spec import neural_drafter_from_spec
-    from mmvsd.export import export_drafter
+    from mmvsd.layouts.export import export_drafter
 
     drafter = neural_drafter_from_spec(spec, target, seed)  # the EAGLE-3 drafter alone: no n-gram branches
     folder = Path(spec) if Path(spec).is_dir() else work / "drafter"

@@ -8,7 +8,7 @@ small learning rate (5e-6 vs 3e-4 from scratch). This study does the same on CPU
 2. same wall clock: the budget is the median wall time of the `--budget-arm` runs of phase 1 (or
    `--wall-seconds`); every other arm trains again for as many steps as its measured seconds per
    step allow (the budget arm's phase-1 runs are its same-wall-clock runs);
-3. tau at T = 0 with the acceptance evaluator (`mmvsd.evaluate`, the target's greedy continuation
+3. tau at T = 0 with the acceptance evaluator (`mmvsd.decoding.acceptance`, the target's greedy continuation
    replayed, exact) on held-out prompts, optionally at T = 1 with `speculative_generate`;
 4. per arm: tau pooled over prompts (new tokens / target forwards) averaged over seeds, a bootstrap
    95% interval over prompts (seeds averaged inside each resample), the spread over seeds; per arm
@@ -117,7 +117,7 @@ def parse_arm(spec: str) -> Arm:
 
 def run_config(args: argparse.Namespace, arm: Arm, seed: int, steps: int, output: Path):
     """The TrainConfig of one run: the base config, --set, the arm's overrides, then the study's own."""
-    from mmvsd.train_config import load_train_config
+    from mmvsd.training.config import load_train_config
 
     study = [f"learning_rate={args.lr}", f"max_steps={steps}", f"seed={seed}", "progress=false",
              f"save_every={steps}", "keep_checkpoints=1", "eval_every=0"]
@@ -130,7 +130,7 @@ def run_config(args: argparse.Namespace, arm: Arm, seed: int, steps: int, output
 def train_run(args: argparse.Namespace, target, arm: Arm, seed: int, steps: int, output: Path) -> dict:
     """Train one run (or reuse a finished one); returns {arm, seed, steps, seconds, folder}."""
     from mmvsd.files import atomic_file
-    from mmvsd.trainer import train
+    from mmvsd.training.trainer import train
 
     record_path = output / RUN_FILE
     if record_path.is_file():
@@ -186,7 +186,7 @@ class PromptSet:
 def load_prompt_sets(target, specs: list[str], limit: int, max_new_tokens: int) -> list[PromptSet]:
     """Held-out prompts per benchmark, prompt file or image task (e.g. `vqav2_val_mini_long`, its images
     through the target's modality adapter) with the target's cached greedy continuations."""
-    from mmvsd.evaluate import cached_greedy_continuations, load_eval_prompts
+    from mmvsd.decoding.acceptance import cached_greedy_continuations, load_eval_prompts
 
     sets = []
     for spec in specs:
@@ -200,11 +200,11 @@ def measure_counts(target, drafter, prompt_set: PromptSet, shape, temperature: f
     """Per-prompt (new tokens, target forwards): the evaluator's exact replay at T = 0, generate at T > 0
     (on the first `sampled_limit` prompts of the set when it is set: sampling runs the whole decode loop)."""
     if temperature == 0:
-        from mmvsd.evaluate import evaluate_acceptance
+        from mmvsd.decoding.acceptance import evaluate_acceptance
 
         report = evaluate_acceptance(target, drafter, prompt_set.prompts, prompt_set.continuations, shape, batch_size)
         return [p.new_tokens for p in report.prompts], [p.target_forwards for p in report.prompts]
-    from mmvsd.decode import DecodeConfig, speculative_generate
+    from mmvsd.decoding.decode import DecodeConfig, speculative_generate
 
     prompts = measured_prompts(prompt_set, temperature, sampled_limit)
     max_new = max(len(c) for c in prompt_set.continuations)
@@ -235,10 +235,10 @@ def evaluate_all(args: argparse.Namespace, target, runs: list[dict], prompt_sets
 
     Each measurement is kept in OUT/eval_cache.json as soon as it is made, keyed by `evaluation_key`, so
     an interrupted study, or one asked for another budget or temperature, measures only what is new."""
+    from mmvsd.decoding.tree import TreeShape
     from mmvsd.drafter_spec import neural_drafter_from_spec
     from mmvsd.files import atomic_file
     from mmvsd.shipped import weights_sha256
-    from mmvsd.tree import TreeShape
 
     shape = TreeShape.parse(args.tree)
     cache_path = Path(args.out) / EVAL_CACHE_FILE
@@ -417,7 +417,7 @@ def check_args(args: argparse.Namespace, arms: list[Arm]) -> None:
 def run_study(args: argparse.Namespace, target=None) -> list[dict]:
     """Train every run, evaluate them and the init drafter, write the reports; returns the summary rows."""
     from mmvsd.target_loader import load_target
-    from mmvsd.trainer import TARGET_DTYPES
+    from mmvsd.training.trainer import TARGET_DTYPES
 
     arms = [parse_arm(spec) for spec in (args.arm or DEFAULT_ARMS)]
     check_args(args, arms)

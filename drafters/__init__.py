@@ -1,7 +1,7 @@
 """The built-in drafter architectures (one file each) and the registry that loads a drafter folder by its type.
 
 The interface they implement is `mmvsd.drafter_base`; their checkpoint layouts (`*_layout.py` here) are
-registered in `mmvsd.layout_registry`. A new architecture is a file here plus one entry in `DRAFTERS`.
+registered in `mmvsd.layouts.registry`. A new architecture is a file here plus one entry in `DRAFTERS`.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mmvsd.decoding.kv import RaggedCache
 from mmvsd.drafter_base import (
     Drafter,
     PairMedia,
@@ -30,7 +31,6 @@ from mmvsd.drafter_base import (
 )
 from mmvsd.drafters.eagle3 import MLP, Attention, RMSNorm, layer_sizes
 from mmvsd.errors import UserError
-from mmvsd.kv import RaggedCache
 
 
 @dataclass

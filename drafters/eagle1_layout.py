@@ -34,7 +34,7 @@ from mmvsd.drafters.eagle3_layout import EMBEDDINGS, REQUIRED_CONFIG, SUPPORTED_
 from mmvsd.drafters.msd import MSDDrafter
 from mmvsd.drafters.vispec import ViSpecDrafter
 from mmvsd.errors import UserError
-from mmvsd.layout_base import Layout, NotThisLayout, load_checked_state
+from mmvsd.layouts.base import Layout, NotThisLayout, load_checked_state
 
 logger = logging.getLogger(__name__)
 

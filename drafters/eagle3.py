@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mmvsd.decoding.kv import RaggedCache
 from mmvsd.drafter_base import (
     Drafter,
     PairMedia,
@@ -27,7 +28,6 @@ from mmvsd.drafter_base import (
     read_drafter_config,
     save_drafter_folder,
 )
-from mmvsd.kv import RaggedCache
 
 
 @dataclass

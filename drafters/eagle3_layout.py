@@ -40,7 +40,7 @@ from torch import Tensor
 from mmvsd.checkpoints import CONFIG_FILE, read_config, read_tensors
 from mmvsd.drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from mmvsd.errors import UserError
-from mmvsd.layout_base import Layout, NotThisLayout, load_checked_state
+from mmvsd.layouts.base import Layout, NotThisLayout, load_checked_state
 from mmvsd.target import default_aux_layer_ids
 from mmvsd.target_loader import resolve_target_folder
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mmvsd.decoding.kv import RaggedCache
 from mmvsd.drafter_base import PairMedia
 from mmvsd.drafters.eagle1 import Eagle1Config, Eagle1Drafter, LayerInput
-from mmvsd.kv import RaggedCache
 
 
 @dataclass

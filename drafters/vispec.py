@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from mmvsd.decoding.kv import RaggedCache
 from mmvsd.drafter_base import PairMedia
 from mmvsd.drafters.eagle1 import Eagle1Config, Eagle1Drafter, LayerInput
 from mmvsd.errors import UserError
-from mmvsd.kv import RaggedCache
 
 GLOBAL_STATE = "vispec_global"  # RaggedCache.row_state key: each row's latest global feature [B, H]
 

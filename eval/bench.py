@@ -32,10 +32,11 @@ import torch
 from tqdm import tqdm
 
 from mmvsd.adapter_base import Prompt
-from mmvsd.baselines import hf_generate
-from mmvsd.decode import DecodeConfig, SequenceResult, speculative_generate, vanilla_generate
+from mmvsd.decoding.decode import DecodeConfig, SequenceResult, speculative_generate, vanilla_generate
+from mmvsd.decoding.shape_policy import AcceptanceStats
 from mmvsd.drafter_spec import drafter_from_spec
 from mmvsd.errors import UserError
+from mmvsd.eval.baselines import hf_generate
 from mmvsd.eval.bench_config import BenchConfig, tree_shape
 from mmvsd.eval.bench_item import BenchItem
 from mmvsd.eval.media_writer import MediaWriter
@@ -49,7 +50,6 @@ from mmvsd.eval.suites import (
     synthetic_note,
 )
 from mmvsd.placement import placement
-from mmvsd.shape_policy import AcceptanceStats
 from mmvsd.shipped import default_drafter
 from mmvsd.target import Target
 from mmvsd.target_loader import load_target

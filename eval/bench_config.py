@@ -63,7 +63,7 @@ def fixed_tree_spec(budget: int | None, depth: int | None, topk: int | None) -> 
 def tree_shape(spec: str, multimodal: bool):
     """The draft tree of a `--tree` entry on a text or an image benchmark: "auto", or a TreeShape whose parts
     left at 0 (all of them for "paper") take the paper's value for the benchmark's kind."""
-    from mmvsd.tree import TreeShape  # imports torch: this module stays light so the CLI parser stays fast
+    from mmvsd.decoding.tree import TreeShape  # imports torch: this module stays light so the CLI parser stays fast
 
     parts = tree_parts(spec)
     if parts is None:

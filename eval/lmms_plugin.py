@@ -58,7 +58,7 @@ from mmvsd.shipped import default_drafter
 if TYPE_CHECKING:
     from lmms_eval.models.registry_v2 import ModelManifest
 
-    from mmvsd.decode import DecodeConfig, SequenceResult
+    from mmvsd.decoding.decode import DecodeConfig, SequenceResult
 
 MODEL_NAME = "mmvsd"
 IMAGE_PLACEHOLDER = "<image>"  # what lmms-eval tasks put in the context where a LLaVA prompt shows the image
@@ -194,7 +194,7 @@ class MmvsdLmms(lmms):
 
     def decode_config(self, gen_kwargs: dict[str, Any]) -> DecodeConfig:
         """mmvsd's DecodeConfig for one request: the task's kwargs where given, else the model_args."""
-        from mmvsd.decode import DecodeConfig  # transformers-backed: see the module docstring
+        from mmvsd.decoding.decode import DecodeConfig  # transformers-backed: see the module docstring
 
         for key, no_op_values in UNSUPPORTED_GEN_KWARGS.items():
             if gen_kwargs.get(key) not in no_op_values and key not in self._warned_keys:
@@ -207,7 +207,7 @@ class MmvsdLmms(lmms):
 
     def generate_one(self, prompt: Prompt, gen_kwargs: dict[str, Any]) -> SequenceResult:
         """Decode one prompt with the drafter (speculative) or without one (autoregressive)."""
-        from mmvsd.decode import vanilla_generate  # transformers-backed: see the module docstring
+        from mmvsd.decoding.decode import vanilla_generate  # transformers-backed: see the module docstring
 
         config = self.decode_config(gen_kwargs)
         if self.drafter is None:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from mmvsd.errors import UserError
 from mmvsd.eval.bench_cli import add_bench_parser, run_bench_command
-from mmvsd.export_cli import add_export_parser, run_export
 from mmvsd.files import atomic_file
+from mmvsd.layouts.export_cli import add_export_parser, run_export
 from mmvsd.placement import add_placement_arguments, half_precision_warning, placement
 from mmvsd.prompts import read_prompt_file
 
@@ -37,7 +37,7 @@ def add_tree_arguments(p: argparse.ArgumentParser, default: str) -> None:
 
 def tree_from_args(args: argparse.Namespace):
     """The TreeShape or "auto" the tree flags name (UserError on a malformed or contradictory one)."""
-    from mmvsd.tree import TreeShape  # CLI start-up: loaded per command
+    from mmvsd.decoding.tree import TreeShape  # CLI start-up: loaded per command
 
     parts = (args.tree_budget, args.tree_depth, args.tree_topk)
     if args.tree is not None and any(v is not None for v in parts):
@@ -219,9 +219,13 @@ def run_generate(args: argparse.Namespace) -> None:
     """`mmvsd generate`: load target and drafter, decode in batches, print and save the results."""
     import torch  # CLI start-up: loaded per command
 
-    from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate  # CLI start-up: loaded per command
+    from mmvsd.decoding.decode import (  # CLI start-up: loaded per command
+        DecodeConfig,
+        speculative_generate,
+        vanilla_generate,
+    )
+    from mmvsd.decoding.shape_policy import AcceptanceStats  # CLI start-up: loaded per command
     from mmvsd.drafter_spec import check_ngram_options, drafter_from_spec  # CLI start-up: loaded per command
-    from mmvsd.shape_policy import AcceptanceStats  # CLI start-up: loaded per command
     from mmvsd.shipped import implicit_drafter_spec  # CLI start-up: loaded per command
     from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
 
@@ -289,12 +293,12 @@ def _encode_prompts(target, texts: list[str], args: argparse.Namespace) -> list:
 
 def run_eval_drafter(args: argparse.Namespace) -> None:
     """`mmvsd eval-drafter`: greedy continuations (cached), then the replayed acceptance report."""
-    from mmvsd import evaluate  # CLI start-up: loaded per command
+    from mmvsd.decoding import acceptance as evaluate  # CLI start-up: loaded per command
+    from mmvsd.decoding.tree import TreeShape  # CLI start-up: loaded per command
     from mmvsd.drafter_base import Drafter  # CLI start-up: loaded per command
     from mmvsd.drafter_spec import drafter_from_spec  # CLI start-up: loaded per command
     from mmvsd.shipped import implicit_drafter_spec  # CLI start-up: loaded per command
     from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
-    from mmvsd.tree import TreeShape  # CLI start-up: loaded per command
 
     shape = tree_from_args(args)
     spec = args.drafter or implicit_drafter_spec(args.target)
@@ -303,8 +307,8 @@ def run_eval_drafter(args: argparse.Namespace) -> None:
     target = load_target(args.target, *placement(args.device, args.dtype))
     drafter = drafter_from_spec(spec, target, args.seed, ngram=None if args.ngram is None else args.ngram == "on")
     if shape == "auto":  # the trees auto plans from this machine's costs; its speed guard's plain steps are not replayed
-        from mmvsd.costs import load_cost_table  # CLI start-up: loaded per command
-        from mmvsd.shape_policy import AcceptanceStats, AutoShape  # CLI start-up: loaded per command
+        from mmvsd.decoding.costs import load_cost_table  # CLI start-up: loaded per command
+        from mmvsd.decoding.shape_policy import AcceptanceStats, AutoShape  # CLI start-up: loaded per command
 
         shape = AutoShape(load_cost_table(target, drafter, batch_sizes=(1,)), AcceptanceStats())
     prompts = evaluate.load_eval_prompts(target, args.prompt_file, args.limit, args.adapter)
@@ -340,7 +344,7 @@ def run_adapters(args: argparse.Namespace) -> None:
 
 def run_profile(args: argparse.Namespace) -> None:
     """`mmvsd profile`: load (measuring once) the cost table, print it, optionally plot it."""
-    from mmvsd.costs import (  # CLI start-up: loaded per command
+    from mmvsd.decoding.costs import (  # CLI start-up: loaded per command
         cost_key,
         cost_table_path,
         format_cost_table,
@@ -373,8 +377,8 @@ def _print_record(number: int, record: dict) -> None:
 
 def run_train(args: argparse.Namespace) -> None:
     """`mmvsd train`: resolve the config, train, and say where the drafter is."""
-    from mmvsd.train_config import load_train_config  # CLI start-up: loaded per command
-    from mmvsd.trainer import train  # CLI start-up: loaded per command
+    from mmvsd.training.config import load_train_config  # CLI start-up: loaded per command
+    from mmvsd.training.trainer import train  # CLI start-up: loaded per command
 
     flags = {k: getattr(args, k) for k in ("target", "drafter", "init", "objective", "data", "output")}
     config = load_train_config(args.config, flags, args.overrides)
@@ -385,8 +389,8 @@ def run_train(args: argparse.Namespace) -> None:
 
 def run_prepare(args: argparse.Namespace) -> None:
     """`mmvsd prepare`: write the offline feature cache of a run's training examples."""
-    from mmvsd.prepare import prepare_feature_cache  # CLI start-up: loaded per command
-    from mmvsd.train_config import load_train_config  # CLI start-up: loaded per command
+    from mmvsd.training.config import load_train_config  # CLI start-up: loaded per command
+    from mmvsd.training.prepare import prepare_feature_cache  # CLI start-up: loaded per command
 
     flags = {"target": args.target, "data": args.data, "output": args.output, "features": "offline",
              "feature_cache": args.output}

@@ -2,7 +2,7 @@
 
 EAGLE-family drafters read "pairs": at committed position t they see a feature of position t
 (the target's auxiliary hidden states, or their own output hidden state inside a draft tree) and
-the embedding of token t+1, and predict token t+2. A `DraftSession` (`mmvsd.draft_session`) keeps a
+the embedding of token t+1, and predict token t+2. A `DraftSession` (`mmvsd.decoding.draft_session`) keeps a
 drafter's own ragged KV cache in step with the target's while decoding. The architectures and the
 registry that loads them by name are `mmvsd.drafters`.
 
@@ -23,10 +23,10 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from mmvsd.checkpoints import read_config
-from mmvsd.draft_session import DraftInputs, DraftSession  # noqa: F401  (DraftInputs: re-exported)
+from mmvsd.decoding.draft_session import DraftInputs, DraftSession  # noqa: F401  (DraftInputs: re-exported)
+from mmvsd.decoding.kv import RaggedCache
 from mmvsd.errors import UserError
 from mmvsd.files import atomic_dir
-from mmvsd.kv import RaggedCache
 
 
 @dataclass(frozen=True)

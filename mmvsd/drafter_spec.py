@@ -7,9 +7,9 @@ from pathlib import Path
 
 from mmvsd.drafter_base import Drafter
 from mmvsd.drafters import drafter_class, load_drafter
+from mmvsd.drafters.hybrid import with_ngram
+from mmvsd.drafters.ngram import NgramDrafter, parse_ngram_spec
 from mmvsd.errors import UserError
-from mmvsd.hybrid import with_ngram
-from mmvsd.ngram import NgramDrafter, parse_ngram_spec
 from mmvsd.shipped import resolve_drafter
 
 

@@ -14,8 +14,8 @@ from transformers import AttentionInterface, PreTrainedModel, PreTrainedTokenize
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from mmvsd.decoding.kv import RaggedCache
 from mmvsd.errors import UserError
-from mmvsd.kv import RaggedCache
 
 PLAIN_PREFIXES = {"system": "System: ", "user": "User: ", "assistant": "Assistant: "}  # chat without a template
 GQA_SDPA = "mmvsd_sdpa"  # transformers' sdpa, with grouped-query attention read in place on the CPU

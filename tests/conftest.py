@@ -12,10 +12,10 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from mmvsd.decode import DecodeConfig, vanilla_generate
+from mmvsd.decoding.decode import DecodeConfig, vanilla_generate
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.target import Target
-from mmvsd.unroll import shifted, unroll_draft_steps
+from mmvsd.training.unroll import shifted, unroll_draft_steps
 
 TINY_VOCAB = 128
 
@@ -24,7 +24,7 @@ TINY_VOCAB = 128
 def profiles_in_a_temporary_folder(tmp_path_factory):
     """Cost profiles that tests measure go to a temporary folder, never the user's mmvsd cache (a test that
     sets MMVSD_CACHE keeps them under its own cache, as mmvsd does)."""
-    from mmvsd import costs
+    from mmvsd.decoding import costs
 
     folder = tmp_path_factory.mktemp("profiles")
     in_the_cache = costs.profiles_dir

@@ -10,10 +10,10 @@ from PIL import Image
 from mmvsd.adapter_base import Prompt
 from mmvsd.adapters import adapter_for, get_adapter, registered_adapters
 from mmvsd.cli import main
-from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate
+from mmvsd.decoding.decode import DecodeConfig, speculative_generate, vanilla_generate
+from mmvsd.decoding.tree import TreeShape
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.errors import UserError
-from mmvsd.tree import TreeShape
 
 
 def test_builtin_adapters_are_registered_with_their_source():

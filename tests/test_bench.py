@@ -13,7 +13,7 @@ import pytest
 
 from conftest import save_tiny_target
 from mmvsd.cli import main
-from mmvsd.decode import vanilla_generate
+from mmvsd.decoding.decode import vanilla_generate
 from mmvsd.eval.bench import Method, build_methods, run_batch
 from mmvsd.eval.bench_config import BenchConfig
 from mmvsd.eval.scoring import gsm8k_correct, humaneval_passed

@@ -9,16 +9,16 @@ from dataclasses import replace
 import pytest
 
 from conftest import save_tiny_target
-from mmvsd.baselines import hf_generate
-from mmvsd.decode import DecodeConfig, SequenceResult, vanilla_generate
+from mmvsd.decoding.decode import DecodeConfig, SequenceResult, vanilla_generate
+from mmvsd.decoding.tree import TreeShape
 from mmvsd.errors import UserError
 from mmvsd.eval import mllm_suite
+from mmvsd.eval.baselines import hf_generate
 from mmvsd.eval.bench import Method, Record, TreeGenerate, build_methods, drafter_label, kept_lengths, run_batch
 from mmvsd.eval.bench_config import BenchConfig, tree_shape
 from mmvsd.eval.report import aggregate, markdown_table
 from mmvsd.eval.suites import load_items
 from mmvsd.target_loader import load_target
-from mmvsd.tree import TreeShape
 
 
 @pytest.fixture(scope="module")

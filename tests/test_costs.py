@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import make_tiny_llama, save_tiny_target
-from mmvsd import costs
 from mmvsd.cli import main
-from mmvsd.costs import CostTable, cost_key, cost_table_path, load_cost_table, measure_costs
+from mmvsd.decoding import costs
+from mmvsd.decoding.costs import CostTable, cost_key, cost_table_path, load_cost_table, measure_costs
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.target import Target
 

@@ -13,18 +13,18 @@ from test_layouts import fake_hf_cache, write_checkpoint
 from conftest import save_tiny_llava
 from mmvsd.cli import main as cli_main
 from mmvsd.drafter_base import DraftInputs, PairMedia
-from mmvsd.drafter_init import resolve_init
 from mmvsd.drafters.eagle1 import Eagle1Drafter
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.drafters.msd import MSDDrafter
 from mmvsd.drafters.vispec import ViSpecDrafter
 from mmvsd.errors import UserError
-from mmvsd.export import export_drafter
-from mmvsd.layout_registry import layout
+from mmvsd.layouts.export import export_drafter
+from mmvsd.layouts.registry import layout
 from mmvsd.target import Target
 from mmvsd.target_loader import load_target
-from mmvsd.train_config import TrainConfig
-from mmvsd.trainer import check_init
+from mmvsd.training.config import TrainConfig
+from mmvsd.training.drafter_init import resolve_init
+from mmvsd.training.trainer import check_init
 
 H, HEADS, KV_HEADS, HEAD_DIM, INTER, V = 64, 4, 2, 16, 128, 128  # the tiny LLaVA's language model (conftest)
 NUM_Q = 3  # not ViSpec's default 2, so that reading it from imadpt.q is tested

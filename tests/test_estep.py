@@ -10,10 +10,10 @@ from scipy.stats import chisquare
 
 from mmvsd.drafter_base import DraftInputs, target_to_draft_ids
 from mmvsd.drafters.eagle3 import Eagle3Drafter
-from mmvsd.estep import EStepPaths, choose_anchors, draft_pass, run_estep, score_paths_packed, target_rollouts
-from mmvsd.features import TokenBatch, capture_features
-from mmvsd.objectives import ObjectiveConfig, estep_oracles, vsd_m_step
-from mmvsd.vsd import car_weights, path_log_kappa, prefix_matches
+from mmvsd.training.estep import EStepPaths, choose_anchors, draft_pass, run_estep, score_paths_packed, target_rollouts
+from mmvsd.training.features import TokenBatch, capture_features
+from mmvsd.training.objectives import ObjectiveConfig, estep_oracles, vsd_m_step
+from mmvsd.training.vsd import car_weights, path_log_kappa, prefix_matches
 
 VOCAB = 128
 
@@ -362,7 +362,7 @@ def test_token_identical_prefixes_of_z_bar_pass_the_oracle():
 def test_run_estep_proposals_equal_to_z_bar_always_pass(tiny_target, fitted_drafter):
     """End to end: a drafter fitted to the target proposes z_bar often; every such prefix passes."""
     from conftest import PROMPT_POOL
-    from mmvsd.decode import DecodeConfig, vanilla_generate
+    from mmvsd.decoding.decode import DecodeConfig, vanilla_generate
 
     results = vanilla_generate(tiny_target, PROMPT_POOL[:2], DecodeConfig(max_new_tokens=24))
     seqs = [r.prompt_ids + r.output_ids for r in results]

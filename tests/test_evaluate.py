@@ -12,17 +12,17 @@ import pytest
 import torch
 
 from conftest import PROMPT_POOL, make_tiny_llama, random_prompts, run_cli, save_tiny_target
-from mmvsd import evaluate
 from mmvsd.cli import main
-from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate
-from mmvsd.errors import UserError
-from mmvsd.evaluate import (
+from mmvsd.decoding import acceptance as evaluate
+from mmvsd.decoding.acceptance import (
     cached_greedy_continuations,
     evaluate_acceptance,
     greedy_continuations,
 )
+from mmvsd.decoding.decode import DecodeConfig, speculative_generate, vanilla_generate
+from mmvsd.decoding.tree import TreeShape
+from mmvsd.errors import UserError
 from mmvsd.target import Target
-from mmvsd.tree import TreeShape
 
 PROMPTS = PROMPT_POOL[:6] + random_prompts(3, seed=41)  # the fitted drafter knows PROMPT_POOL: real acceptances
 SHAPES = [TreeShape(60, 7, 10), TreeShape(12, 4, 3), TreeShape(4, 3, 1), TreeShape(1, 7, 10)]
@@ -80,7 +80,7 @@ def test_evaluator_counts_nothing_after_eos(eos_target, fitted_drafter):
 def test_evaluator_equals_generate_with_ngram_and_hybrid_drafters(tiny_target, fitted_drafter):
     """n-gram statistics are shared by a batch's rows: equal to generate one prompt at a time (its default)."""
     from mmvsd.drafter_spec import drafter_from_spec
-    from mmvsd.hybrid import with_ngram
+    from mmvsd.drafters.hybrid import with_ngram
 
     assert_same_as_generate(tiny_target, with_ngram(fitted_drafter), TreeShape(20, 5, 4), 1, 1)
     assert_same_as_generate(tiny_target, drafter_from_spec("ngram", tiny_target), TreeShape(20, 5, 4), 1, 1)
@@ -253,7 +253,7 @@ def test_evaluator_replays_the_auto_plan(tiny_target, fitted_drafter):
     goes), replayed exactly; deterministic, and the shape it chose is reported as nodes per step."""
     from test_shape_policy import LinearCosts
 
-    from mmvsd.shape_policy import AcceptanceStats, AutoShape
+    from mmvsd.decoding.shape_policy import AcceptanceStats, AutoShape
 
     prompts = PROMPTS[:3]
     continuations = evaluate.greedy_continuations(tiny_target, prompts, MAX_NEW)
@@ -280,8 +280,8 @@ def test_image_tasks_are_read_with_their_images(llava_target, llava_dir, tmp_pat
     """`--prompt-file vqav2_val_mini_long` gives the task's first turns with their images, as the bench encodes
     them (the adapter's prompt of the item's text and image), and eval-drafter replays them."""
     from mmvsd.adapters import choose_adapter
+    from mmvsd.decoding.acceptance import load_eval_prompts
     from mmvsd.eval.suites import load_items
-    from mmvsd.evaluate import load_eval_prompts
 
     prompts = load_eval_prompts(llava_target, "vqav2_val_mini_long", limit=2)
     items = load_items("vqav2_val_mini_long", 2)
@@ -301,7 +301,7 @@ def test_image_tasks_are_read_with_their_images(llava_target, llava_dir, tmp_pat
 
 def test_report_counts_continuation_tokens_outside_the_draft_vocabulary(tiny_target, fitted_drafter):
     from mmvsd.drafters.eagle3 import Eagle3Drafter
-    from mmvsd.hybrid import with_ngram
+    from mmvsd.drafters.hybrid import with_ngram
 
     continuations = greedy_continuations(tiny_target, PROMPTS, MAX_NEW)
     shape = TreeShape(12, 4, 3)

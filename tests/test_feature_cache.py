@@ -9,18 +9,18 @@ import pytest
 import torch
 
 from conftest import TINY_VOCAB
-from mmvsd import feature_cache
 from mmvsd.data.render import RenderedExample
 from mmvsd.errors import UserError
-from mmvsd.feature_cache import (
+from mmvsd.target import Target
+from mmvsd.training import feature_cache
+from mmvsd.training.feature_cache import (
     FeatureCache,
     check_cache_matches,
     estimate_cache_bytes,
     plan_feature_cache,
     write_feature_cache,
 )
-from mmvsd.features import capture_features, collate
-from mmvsd.target import Target
+from mmvsd.training.features import capture_features, collate
 
 SETTINGS = {"target": "tiny-llama", "data": "random:8", "max_length": 24, "seed": 0}
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from conftest import make_tiny_llama, random_prompts
-from mmvsd.decode import _prefill, as_prompts
+from mmvsd.decoding.decode import _prefill, as_prompts
+from mmvsd.decoding.tree import DraftTree
 from mmvsd.target import Target
-from mmvsd.tree import DraftTree
 
 
 def random_tree(batch: int, num_nodes: int, vocab: int, seed: int) -> DraftTree:

@@ -9,8 +9,8 @@ from test_kv import random_tree
 from test_kv import test_tree_forward_and_keep_equal_recompute as check_tree_keep_equals_recompute
 
 from conftest import make_tiny_llama, random_prompts
-from mmvsd.decode import _prefill, as_prompts
-from mmvsd.kv import SlotLayer
+from mmvsd.decoding.decode import _prefill, as_prompts
+from mmvsd.decoding.kv import SlotLayer
 from mmvsd.target import GQA_SDPA, Target
 
 

@@ -12,17 +12,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import PROMPT_POOL, make_tiny_llama, save_tiny_target
-from mmvsd.decode import DecodeConfig, speculative_generate
-from mmvsd.drafter_init import resolve_init
+from mmvsd.decoding.decode import DecodeConfig, speculative_generate
 from mmvsd.drafters import load_drafter
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.errors import UserError
-from mmvsd.export import export_drafter
-from mmvsd.export_cli import add_export_parser, run_export
-from mmvsd.layout_registry import LAYOUTS, layout
+from mmvsd.layouts.export import export_drafter
+from mmvsd.layouts.export_cli import add_export_parser, run_export
+from mmvsd.layouts.registry import LAYOUTS, layout
 from mmvsd.target import Target
-from mmvsd.train_config import TrainConfig
-from mmvsd.trainer import build_drafter, check_init
+from mmvsd.training.config import TrainConfig
+from mmvsd.training.drafter_init import resolve_init
+from mmvsd.training.trainer import build_drafter, check_init
 
 # the weight names of a released EAGLE-3 drafter (written out here, not taken from our code)
 RELEASED_KEYS = {

@@ -16,16 +16,16 @@ from conftest import save_tiny_llava
 from mmvsd.adapter_base import Prompt
 from mmvsd.adapters import adapter_for
 from mmvsd.cli import main
-from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate
+from mmvsd.decoding.decode import DecodeConfig, speculative_generate, vanilla_generate
+from mmvsd.decoding.kv import sequence_block
+from mmvsd.decoding.tree import TreeShape
 from mmvsd.drafter_base import DraftInputs, PairMedia
 from mmvsd.drafters import drafter_class, load_drafter
 from mmvsd.drafters.vispec import ViSpecConfig, ViSpecDrafter
 from mmvsd.errors import UserError
-from mmvsd.kv import sequence_block
 from mmvsd.target_loader import load_target
-from mmvsd.train_config import TrainConfig
-from mmvsd.trainer import curriculum_indices, train
-from mmvsd.tree import TreeShape
+from mmvsd.training.config import TrainConfig
+from mmvsd.training.trainer import curriculum_indices, train
 
 QUESTIONS = ["w5 w6 w7", "w8 w9", "w10 w11 w12"]
 
@@ -284,9 +284,9 @@ def test_msd_reads_image_embeddings_at_its_media_rms(llava_target):
 
 
 def test_training_examples_carry_the_projected_image(llava_target, tmp_path):
-    from mmvsd.features import collate
-    from mmvsd.train_data import load_examples
-    from mmvsd.train_media import embed_batch, media_adapter
+    from mmvsd.training.dataset import load_examples
+    from mmvsd.training.features import collate
+    from mmvsd.training.media import embed_batch, media_adapter
 
     data = write_image_conversations(llava_target, tmp_path, answers_from_target=False)
     split = load_examples(llava_target, f"llava-instruct:{data}", num_conversations=0, max_length=128,
@@ -338,7 +338,7 @@ def test_cli_refuses_more_images_than_the_drafter_takes(fitted, mild_llava, llav
 
 
 def test_text_and_image_datasets_mix(llava_target, tmp_path):
-    from mmvsd.train_data import load_examples
+    from mmvsd.training.dataset import load_examples
 
     images = write_image_conversations(llava_target, tmp_path, answers_from_target=False)
     text = tmp_path / "sharegpt.json"
@@ -353,7 +353,7 @@ def test_text_and_image_datasets_mix(llava_target, tmp_path):
 
 
 def test_shipped_mllm_config_is_the_papers():
-    from mmvsd.train_config import load_train_config
+    from mmvsd.training.config import load_train_config
 
     config = load_train_config("llava_vispec_paper", {"target": "llava-1.5-13b", "init": "vispec", "output": "o"}, [])
     assert (config.drafter, config.objective, config.num_conversations, config.epochs) == ("vispec", "ce+vsd", 68000, 40)
@@ -364,8 +364,8 @@ def test_regeneration_answers_each_image_conversation_seeing_its_image(mild_llav
     """On-policy data for MLLM drafters: regeneration shows the target the image, so its answers equal those
     of decoding the same question with the image (mm_data's answers), and the cache key names the adapter."""
     from mmvsd.data.conversations import load_conversations
-    from mmvsd.data.regenerate import read_cache, regenerate_conversations
-    from mmvsd.train_media import media_adapter
+    from mmvsd.training.media import media_adapter
+    from mmvsd.training.regenerate import read_cache, regenerate_conversations
 
     _, target = mild_llava
     convs = load_conversations(f"llava-instruct:{mm_data}")
@@ -384,7 +384,7 @@ def test_regeneration_answers_each_image_conversation_seeing_its_image(mild_llav
 def test_drafters_run_against_a_bf16_target(llava_dir, name):
     """A bf16 target (training's target_dtype=bf16, whose validation tau replays with it) lends its bf16 LM
     head to an fp32 drafter: drafting casts, so evaluation and decoding run (they raised a dtype error)."""
-    from mmvsd.evaluate import evaluate_acceptance, greedy_continuations
+    from mmvsd.decoding.acceptance import evaluate_acceptance, greedy_continuations
 
     target = load_target(str(llava_dir), dtype=torch.bfloat16)
     adapter = adapter_for(target, "image")
@@ -404,11 +404,11 @@ def test_a_time_budget_with_the_media_curriculum_is_warned(llava_dir, llava_targ
     data = write_image_conversations(llava_target, tmp_path, answers_from_target=False)
     config = train_config(llava_dir, data, tmp_path / "msd", "msd", "ce", 2)
     config.max_minutes = 30.0
-    with caplog.at_level(logging.WARNING, logger="mmvsd.trainer"):
+    with caplog.at_level(logging.WARNING, logger="mmvsd.training.trainer"):
         train(config, target=llava_target)
     assert "media curriculum shows no media before step 1 of 2" in caplog.text
     caplog.clear()
     config.media_curriculum, config.output = "off", str(tmp_path / "mixed")
-    with caplog.at_level(logging.WARNING, logger="mmvsd.trainer"):
+    with caplog.at_level(logging.WARNING, logger="mmvsd.training.trainer"):
         train(config, target=llava_target)
     assert "media curriculum" not in caplog.text

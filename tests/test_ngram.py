@@ -12,13 +12,14 @@ from test_sampling import NUM_SAMPLES, chi_square_pvalue
 
 from conftest import make_tiny_llama, random_prompts, save_tiny_target
 from mmvsd.cli import main
-from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate
+from mmvsd.decoding.decode import DecodeConfig, speculative_generate, vanilla_generate
+from mmvsd.decoding.tree import TreeShape, build_dynamic_tree
+from mmvsd.decoding.verify import verify_sampling
 from mmvsd.drafter_base import DraftInputs
 from mmvsd.drafter_spec import drafter_from_spec
 from mmvsd.drafters.eagle3 import Eagle3Drafter
-from mmvsd.errors import UserError
-from mmvsd.hybrid import HybridDrafter, merge_proposals, with_ngram
-from mmvsd.ngram import (
+from mmvsd.drafters.hybrid import HybridDrafter, merge_proposals, with_ngram
+from mmvsd.drafters.ngram import (
     NgramConfig,
     NgramDrafter,
     NgramIndex,
@@ -26,9 +27,8 @@ from mmvsd.ngram import (
     build_trie,
     parse_ngram_spec,
 )
+from mmvsd.errors import UserError
 from mmvsd.target import Target
-from mmvsd.tree import TreeShape, build_dynamic_tree
-from mmvsd.verify import verify_sampling
 
 SMALL_TREE = TreeShape(budget=12, depth=4, topk=3)
 

@@ -9,9 +9,9 @@ import torch
 from mmvsd.cli import main
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.errors import UserError
-from mmvsd.features import TokenBatch, capture_features
-from mmvsd.objectives import ObjectiveConfig, ce_loss, make_objective, topk_kl_loss, vsd_loss
-from mmvsd.unroll import unroll_draft_steps
+from mmvsd.training.features import TokenBatch, capture_features
+from mmvsd.training.objectives import ObjectiveConfig, ce_loss, make_objective, topk_kl_loss, vsd_loss
+from mmvsd.training.unroll import unroll_draft_steps
 
 VOCAB = 128
 

@@ -1,4 +1,4 @@
-"""On-policy regeneration (mmvsd.data.regenerate) on a tiny random Llama with a chat-template tokenizer."""
+"""On-policy regeneration (mmvsd.training.regenerate) on a tiny random Llama with a chat-template tokenizer."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from conftest import make_tiny_llama
-from mmvsd.data import regenerate as regenerate_module
 from mmvsd.data.conversations import Conversation, Turn
-from mmvsd.data.regenerate import RegenerateStats, regenerate_conversations
-from mmvsd.decode import DecodeConfig, vanilla_generate
+from mmvsd.decoding.decode import DecodeConfig, vanilla_generate
 from mmvsd.errors import UserError
 from mmvsd.target import Target
+from mmvsd.training import regenerate as regenerate_module
+from mmvsd.training.regenerate import RegenerateStats, regenerate_conversations
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"

@@ -6,9 +6,9 @@ import torch
 from scipy.stats import chisquare
 
 from conftest import random_prompts
-from mmvsd.decode import DecodeConfig, speculative_generate
-from mmvsd.tree import DraftTree, TreeShape
-from mmvsd.verify import verify_greedy, verify_sampling
+from mmvsd.decoding.decode import DecodeConfig, speculative_generate
+from mmvsd.decoding.tree import DraftTree, TreeShape
+from mmvsd.decoding.verify import verify_greedy, verify_sampling
 
 NUM_SAMPLES = 20_000
 

@@ -10,11 +10,8 @@ import pytest
 import torch
 
 from conftest import PROMPT_POOL
-from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate
-from mmvsd.drafter_base import DraftInputs
-from mmvsd.errors import UserError
-from mmvsd.hybrid import with_ngram
-from mmvsd.shape_policy import (
+from mmvsd.decoding.decode import DecodeConfig, speculative_generate, vanilla_generate
+from mmvsd.decoding.shape_policy import (
     FULL,
     LIGHT,
     PLAIN,
@@ -25,7 +22,10 @@ from mmvsd.shape_policy import (
     best_num_nodes,
     best_static_tree,
 )
-from mmvsd.tree import DraftTree, TreeShape
+from mmvsd.decoding.tree import DraftTree, TreeShape
+from mmvsd.drafter_base import DraftInputs
+from mmvsd.drafters.hybrid import with_ngram
+from mmvsd.errors import UserError
 
 
 class LinearCosts:

@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import save_tiny_target
-from mmvsd import trainer
 from mmvsd.cli import main
-from mmvsd.train_config import TrainConfig, load_train_config
-from mmvsd.train_data import draft_vocab_from_counts
+from mmvsd.training import trainer
+from mmvsd.training.config import TrainConfig, load_train_config
+from mmvsd.training.dataset import draft_vocab_from_counts
 
 TINY = ["draft_vocab_size=64", "batch_size=2", "loss.num_samples=4", "loss.num_anchors=2", "loss.path_length=3",
         "loss.ttt_steps=3", "progress=false", "validation_fraction=0"]
@@ -109,7 +109,7 @@ def test_interrupted_checkpoint_write_keeps_the_previous_one(setup, tmp_path, ca
 
 def test_non_finite_losses_are_skipped_then_stop_the_run(setup, tmp_path, capsys, monkeypatch):
     target, data = setup
-    from mmvsd import objectives
+    from mmvsd.training import objectives
 
     real = objectives.make_objective
     calls = {"n": 0}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mmvsd.tree import DraftTree, TreeShape, build_dynamic_tree
+from mmvsd.decoding.tree import DraftTree, TreeShape, build_dynamic_tree
 
 
 def brute_ancestors(parents: list[int], node: int) -> set[int]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from conftest import random_prompts
-from mmvsd.decode import DecodeConfig, speculative_generate, vanilla_generate
-from mmvsd.tree import DraftTree, TreeShape
-from mmvsd.verify import renormalised, row_generators, sample_next, verify_greedy, verify_sampling
+from mmvsd.decoding.decode import DecodeConfig, speculative_generate, vanilla_generate
+from mmvsd.decoding.tree import DraftTree, TreeShape
+from mmvsd.decoding.verify import renormalised, row_generators, sample_next, verify_greedy, verify_sampling
 
 
 def chain_tree(token_ids: list[int]) -> DraftTree:

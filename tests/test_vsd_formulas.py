@@ -1,4 +1,4 @@
-"""The VSD objective's tensor math (mmvsd/vsd.py) against direct loop / numpy / scipy computation."""
+"""The VSD objective's tensor math (mmvsd/training/vsd.py) against direct loop / numpy / scipy computation."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from scipy.special import rel_entr
 from scipy.special import softmax as scipy_softmax
 
-from mmvsd.estep import EStepPaths
-from mmvsd.objectives import ObjectiveConfig, vsd_m_step
-from mmvsd.vsd import (
+from mmvsd.training.estep import EStepPaths
+from mmvsd.training.objectives import ObjectiveConfig, vsd_m_step
+from mmvsd.training.vsd import (
     car_weights,
     expected_accepted_length,
     leave_one_out_acceptance,

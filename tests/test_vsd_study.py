@@ -105,7 +105,7 @@ def test_arm_specs_and_bad_arguments(study):
 
 def test_image_tasks_are_study_prompt_sets_with_their_images(study, llava_target, tmp_path, monkeypatch):
     """The multimodal pair of the study: an image task's prompts carry their images into the evaluator."""
-    from mmvsd.evaluate import load_eval_prompts
+    from mmvsd.decoding.acceptance import load_eval_prompts
 
     monkeypatch.setenv("MMVSD_CACHE", str(tmp_path / "cache"))
     [prompt_set] = study.load_prompt_sets(llava_target, ["vqav2_val_mini_long"], limit=2, max_new_tokens=4)

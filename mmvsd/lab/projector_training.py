@@ -35,8 +35,8 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache, LlavaForConditionalGeneration, LlavaProcessor
 
 from mmvsd.adapters.llava import patch_embeddings
-from mmvsd.costs import timed, typical
 from mmvsd.data.images import FAMILIES, ImageItem, answer_sentence, generate_items
+from mmvsd.decoding.costs import timed, typical
 from mmvsd.lab.easy_vqa_items import easy_vqa_items
 from mmvsd.lab.lora import add_lora, lora_state, merge_lora
 from mmvsd.lab.plain_shapes import PLAIN_FAMILY, plain_shape_items

@@ -9,7 +9,7 @@ from mmvsd.checkpoints import read_config
 from mmvsd.drafters import load_drafter
 from mmvsd.errors import UserError
 from mmvsd.files import atomic_dir
-from mmvsd.layout_registry import layout, layouts_for
+from mmvsd.layouts.registry import layout, layouts_for
 from mmvsd.target import Target
 from mmvsd.target_loader import load_target
 

@@ -13,14 +13,14 @@ import torch
 from torch import Tensor
 
 from mmvsd.adapter_base import Prompt, padded_embeds, span_ids
-from mmvsd.costs import load_cost_table
+from mmvsd.decoding.costs import load_cost_table
+from mmvsd.decoding.kv import sequence_block
+from mmvsd.decoding.shape_policy import FULL, LIGHT, PLAIN, AcceptanceStats, AutoShape, StepChooser, StepCosts
+from mmvsd.decoding.tree import ShapePlan, TreeShape, build_dynamic_tree, root_only_tree
+from mmvsd.decoding.verify import row_generators, sample_next, verify
 from mmvsd.drafter_base import Drafter, DraftInputs, PairMedia
 from mmvsd.errors import UserError
-from mmvsd.kv import sequence_block
-from mmvsd.shape_policy import FULL, LIGHT, PLAIN, AcceptanceStats, AutoShape, StepChooser, StepCosts
 from mmvsd.target import Target
-from mmvsd.tree import ShapePlan, TreeShape, build_dynamic_tree, root_only_tree
-from mmvsd.verify import row_generators, sample_next, verify
 
 
 @dataclass(frozen=True)

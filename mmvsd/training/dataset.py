@@ -14,11 +14,11 @@ import torch
 from torch import Tensor
 
 from mmvsd.data.conversations import load_conversations
-from mmvsd.data.regenerate import regenerate_conversations
 from mmvsd.data.render import RenderedExample, render_conversation, split_conversations
 from mmvsd.errors import UserError
 from mmvsd.target import Target
-from mmvsd.train_media import media_adapter, render_media_conversation
+from mmvsd.training.media import media_adapter, render_media_conversation
+from mmvsd.training.regenerate import regenerate_conversations
 
 logger = logging.getLogger(__name__)
 

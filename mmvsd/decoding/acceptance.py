@@ -7,7 +7,7 @@ committed root (the same tree builder and session type as decoding), the accepte
 the continuation by the same greedy rule as verification (`verify_greedy_choices`), the accepted
 pairs advance the drafter's session, and the walk jumps to the next root. No target forward per step.
 
-Glossary (as in `mmvsd.decode`): the *root* is the last committed token, which the target has not
+Glossary (as in `mmvsd.decoding.decode`): the *root* is the last committed token, which the target has not
 seen; *accepted* draft tokens match the target's choices along a tree path; the *bonus* is the
 target's own token after the accepted path. tau = new tokens / target forwards (the prefill is one
 forward; tokens after EOS or beyond max_new_tokens are not counted), exactly `SequenceResult.tau`.
@@ -29,20 +29,20 @@ from torch import Tensor
 from tqdm import tqdm
 
 from mmvsd.adapter_base import Prompt, padded_embeds, span_ids
-from mmvsd.decode import DecodeConfig, PromptLike, as_prompts, vanilla_generate
-from mmvsd.draft_session import DraftSession
+from mmvsd.decoding.decode import DecodeConfig, PromptLike, as_prompts, vanilla_generate
+from mmvsd.decoding.draft_session import DraftSession
+from mmvsd.decoding.tree import DraftTree, ShapePlan, TreeShape, build_dynamic_tree
+from mmvsd.decoding.verify import verify_greedy_choices
 from mmvsd.drafter_base import Drafter, DraftInputs, PairMedia, target_to_draft_ids
 from mmvsd.errors import UserError
 from mmvsd.eval.media_writer import MediaWriter
 from mmvsd.eval.mllm_suite import MINI_NAMES, REAL_TASKS
 from mmvsd.eval.suites import TEXT_BENCHMARKS, load_items
-from mmvsd.features import TokenBatch, capture_features
 from mmvsd.files import atomic_file, cache_root
 from mmvsd.prompts import read_prompt_file
 from mmvsd.shipped import target_checksum
 from mmvsd.target import Target
-from mmvsd.tree import DraftTree, ShapePlan, TreeShape, build_dynamic_tree
-from mmvsd.verify import verify_greedy_choices
+from mmvsd.training.features import TokenBatch, capture_features
 
 TIE_EPSILON = 1e-4  # a target choice whose top-2 logits are closer than this may flip between kernels
 

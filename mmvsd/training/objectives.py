@@ -28,11 +28,11 @@ from torch import Tensor
 
 from mmvsd.drafter_base import Drafter, target_to_draft_ids
 from mmvsd.errors import UserError
-from mmvsd.estep import EStepPaths, run_estep
-from mmvsd.features import FeatureBatch, draft_step0_inputs
 from mmvsd.target import Target
-from mmvsd.unroll import shifted, unroll_draft_steps
-from mmvsd.vsd import (
+from mmvsd.training.estep import EStepPaths, run_estep
+from mmvsd.training.features import FeatureBatch, draft_step0_inputs
+from mmvsd.training.unroll import shifted, unroll_draft_steps
+from mmvsd.training.vsd import (
     CAR_NORMALISATIONS,
     CAR_SCALES,
     car_weights,

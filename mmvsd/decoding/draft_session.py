@@ -1,5 +1,5 @@
 """The decode-time state of one neural drafter over a batch (`DraftSession`): its ragged KV cache and last
-outputs, behind the tree builder's `TreeExpander` protocol (`mmvsd.tree`).
+outputs, behind the tree builder's `TreeExpander` protocol (`mmvsd.decoding.tree`).
 
 Besides that protocol, every session (neural, n-gram, hybrid) takes committed pairs two ways:
 `advance` feeds them now; `defer` commits them at no cost to the neural part, which feeds them all
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from mmvsd.kv import sequence_block
+from mmvsd.decoding.kv import sequence_block
 
 if TYPE_CHECKING:  # types only: the drafter module creates sessions (`Drafter.new_session`)
     from mmvsd.drafter_base import Drafter, PairMedia

@@ -30,10 +30,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mmvsd.decoding.kv import RaggedCache, sequence_block
 from mmvsd.drafter_base import Drafter, target_to_draft_ids
-from mmvsd.features import FeatureBatch, TokenBatch, draft_step0_inputs, prefix_cache
-from mmvsd.kv import RaggedCache, sequence_block
 from mmvsd.target import Target
+from mmvsd.training.features import FeatureBatch, TokenBatch, draft_step0_inputs, prefix_cache
 
 
 @dataclass

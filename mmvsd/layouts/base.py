@@ -5,7 +5,7 @@ serves (vLLM / SGLang EAGLE-3, MSD, ViSpec, ...): `export` writes it, `load` rea
 drafter (what the layout leaves out, such as token embeddings, comes from the target), `detect`
 recognises it from config.json and the weight names, and `released` maps a target name to the HF
 repo id of the drafter published for that target. Layouts live beside their drafter in `drafters/`;
-the registry that names them is `mmvsd.layout_registry`.
+the registry that names them is `mmvsd.layouts.registry`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 class NotThisLayout(UserError):
-    """A checkpoint read with a layout it is not in; the registry (`mmvsd.layout_registry.load_with`) adds which
+    """A checkpoint read with a layout it is not in; the registry (`mmvsd.layouts.registry.load_with`) adds which
     registered layout it looks like, else `looks_like` (the layout's own guess, may be empty)."""
 
     def __init__(self, message: str, config: dict, keys: set[str], looks_like: str = "") -> None:
@@ -32,7 +32,7 @@ class NotThisLayout(UserError):
 
 
 class Layout:
-    """One way of storing a drafter architecture on disk; the registry (`mmvsd.layout_registry`) holds one instance
+    """One way of storing a drafter architecture on disk; the registry (`mmvsd.layouts.registry`) holds one instance
     of each subclass."""
 
     name: ClassVar[str] = ""

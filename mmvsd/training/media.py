@@ -18,8 +18,8 @@ from mmvsd.adapters import choose_adapter
 from mmvsd.data.conversations import Conversation, Turn
 from mmvsd.data.render import RenderedExample, render_conversation
 from mmvsd.errors import UserError
-from mmvsd.features import TokenBatch
 from mmvsd.target import Target
+from mmvsd.training.features import TokenBatch
 
 LLAVA_MARKER = "<image>"  # how LLaVA-Instruct records mark the image in the user text
 MEDIA_MODALITY = "image"  # conversations carry images (Conversation.image)

@@ -6,10 +6,10 @@ import sys
 from pathlib import Path
 
 from mmvsd.errors import UserError
-from mmvsd.feature_cache import plan_feature_cache, write_feature_cache
 from mmvsd.target_loader import load_target
-from mmvsd.train_config import TrainConfig
-from mmvsd.trainer import TARGET_DTYPES, config_examples, data_settings
+from mmvsd.training.config import TrainConfig
+from mmvsd.training.feature_cache import plan_feature_cache, write_feature_cache
+from mmvsd.training.trainer import TARGET_DTYPES, config_examples, data_settings
 
 DTYPES = {"auto": None, "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mmvsd.tree import DraftTree
+from mmvsd.decoding.tree import DraftTree
 
 
 @dataclass(frozen=True)

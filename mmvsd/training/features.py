@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from mmvsd.decoding.kv import RaggedCache, sequence_block
 from mmvsd.drafter_base import Drafter, PairMedia
-from mmvsd.kv import RaggedCache, sequence_block
 from mmvsd.target import Target, TargetOutput
-from mmvsd.unroll import shifted
+from mmvsd.training.unroll import shifted
 
 
 @dataclass(frozen=True)

@@ -26,20 +26,20 @@ import yaml
 from tqdm import tqdm
 
 from mmvsd.data.conversations import parse_dataset_spec
+from mmvsd.decoding.acceptance import TauMonitor
+from mmvsd.decoding.tree import TreeShape
 from mmvsd.drafter_base import Drafter
-from mmvsd.drafter_init import InitSource, resolve_init
 from mmvsd.drafters import drafter_class
 from mmvsd.errors import UserError
-from mmvsd.evaluate import TauMonitor
-from mmvsd.feature_cache import FeatureCache, check_cache_matches
-from mmvsd.features import FeatureBatch, capture_features, collate
-from mmvsd.objectives import make_objective
 from mmvsd.target import Target
 from mmvsd.target_loader import load_target
-from mmvsd.train_config import TrainConfig
-from mmvsd.train_data import ExampleSplit, data_specs, draft_vocab_from_counts, load_examples, token_frequencies
-from mmvsd.train_media import embed_batch, media_adapter
-from mmvsd.tree import TreeShape
+from mmvsd.training.config import TrainConfig
+from mmvsd.training.dataset import ExampleSplit, data_specs, draft_vocab_from_counts, load_examples, token_frequencies
+from mmvsd.training.drafter_init import InitSource, resolve_init
+from mmvsd.training.feature_cache import FeatureCache, check_cache_matches
+from mmvsd.training.features import FeatureBatch, capture_features, collate
+from mmvsd.training.media import embed_batch, media_adapter
+from mmvsd.training.objectives import make_objective
 
 logger = logging.getLogger(__name__)
 

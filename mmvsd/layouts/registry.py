@@ -1,7 +1,7 @@
 """The checkpoint-layout registry: every layout by name (ours, `hf`, and the built-in drafters' from
 `drafters/*_layout.py`), recognising a folder's layout, and loading through a layout with a hint when a
-folder is in another. The interface is `mmvsd.layout_base`; reading the folders is `mmvsd.checkpoints`;
-`--init` is `mmvsd.drafter_init`; `mmvsd export` is `mmvsd.export`.
+folder is in another. The interface is `mmvsd.layouts.base`; reading the folders is `mmvsd.checkpoints`;
+`--init` is `mmvsd.training.drafter_init`; `mmvsd export` is `mmvsd.layouts.export`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from mmvsd.drafters import load_drafter
 from mmvsd.drafters.eagle1_layout import MSDLayout, ViSpecLayout
 from mmvsd.drafters.eagle3_layout import Eagle3Layout, SpeculatorsLayout
 from mmvsd.errors import UserError
-from mmvsd.layout_base import Layout, NotThisLayout
+from mmvsd.layouts.base import Layout, NotThisLayout
 
 if TYPE_CHECKING:
     from mmvsd.target import Target

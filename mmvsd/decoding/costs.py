@@ -25,11 +25,11 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from mmvsd.decoding.kv import RaggedCache, sequence_block
+from mmvsd.decoding.tree import DraftTree
 from mmvsd.drafter_base import DraftInputs
 from mmvsd.files import atomic_file, cache_root
-from mmvsd.kv import RaggedCache, sequence_block
 from mmvsd.target import Target
-from mmvsd.tree import DraftTree
 
 logger = logging.getLogger(__name__)
 METHOD_VERSION = "1"  # bump when the measurement changes meaning: older cache files are then ignored

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mmvsd.draft_session import DraftSession
+from mmvsd.decoding.draft_session import DraftSession
 from mmvsd.drafter_base import Drafter, DraftInputs
-from mmvsd.ngram import NEG_INF, NgramConfig, NgramDrafter, NgramSession
+from mmvsd.drafters.ngram import NEG_INF, NgramConfig, NgramDrafter, NgramSession
 
 
 class HybridDrafter:

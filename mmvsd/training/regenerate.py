@@ -8,7 +8,7 @@ already holds the *regenerated* earlier answers.
 
 Prompts are `Target.encode_chat` of the turns so far: the tokenizer's chat template with the generation
 prompt (the plain `User: ...\\nAssistant: ` format, as training renders it, for tokenizers without one);
-answers come from `mmvsd.decode.vanilla_generate` and are decoded without special tokens.
+answers come from `mmvsd.decoding.decode.vanilla_generate` and are decoded without special tokens.
 
 Batching: a pool of up to `batch_size` conversations is in flight; each step answers the next
 assistant turn of every conversation in the pool, finished conversations are written to the cache
@@ -58,11 +58,11 @@ from tqdm import tqdm
 
 from mmvsd.adapter_base import ModalityAdapter, Prompt
 from mmvsd.data.conversations import Conversation, Turn
-from mmvsd.decode import DecodeConfig, vanilla_generate
+from mmvsd.decoding.decode import DecodeConfig, vanilla_generate
 from mmvsd.errors import UserError
 from mmvsd.files import cache_root
 from mmvsd.target import Target
-from mmvsd.train_media import with_placeholder
+from mmvsd.training.media import with_placeholder
 
 logger = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ from typing import Any
 import yaml
 
 import mmvsd.configs
+from mmvsd.decoding.tree import TreeShape
 from mmvsd.errors import UserError
 from mmvsd.files import atomic_file
-from mmvsd.objectives import OBJECTIVE_NAMES, ObjectiveConfig
-from mmvsd.tree import TreeShape
+from mmvsd.training.objectives import OBJECTIVE_NAMES, ObjectiveConfig
 
 
 @dataclass
@@ -70,7 +70,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     log_every: int = 10
     progress: bool = True
-    # validation tau (mmvsd.evaluate: exact T=0 acceptance on held-out prompts, logged as val/tau)
+    # validation tau (mmvsd.decoding.acceptance: exact T=0 acceptance on held-out prompts, logged as val/tau)
     eval_every: int = 0  # optimizer steps between evaluations (0: off); also after the last step
     eval_prompts: str = "mt_bench"  # a JSONL prompt file, a built-in benchmark (mt_bench, humaneval, gsm8k) or an
     # image task (e.g. vqav2_val_mini_long), as `mmvsd eval-drafter --prompt-file` takes

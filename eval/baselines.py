@@ -10,7 +10,7 @@ import time
 import torch
 
 from mmvsd.adapter_base import Prompt
-from mmvsd.decode import DecodeConfig, SequenceResult
+from mmvsd.decoding.decode import DecodeConfig, SequenceResult
 from mmvsd.target import Target
 
 

@@ -38,9 +38,9 @@ from tqdm.auto import tqdm
 
 from mmvsd.data.render import RenderedExample
 from mmvsd.errors import UserError
-from mmvsd.features import FeatureBatch, TokenBatch, capture_features, collate
 from mmvsd.files import atomic_file
 from mmvsd.target import Target
+from mmvsd.training.features import FeatureBatch, TokenBatch, capture_features, collate
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ def add_export_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run_export(args: argparse.Namespace) -> None:
     """`mmvsd export`: convert a drafter folder and say where it went."""
-    from mmvsd.export import export_drafter  # loads torch and the drafters: only when exporting
+    from mmvsd.layouts.export import export_drafter  # loads torch and the drafters: only when exporting
 
     out_dir = export_drafter(args.drafter, args.format, args.output, target_spec=args.target, force=args.force)
     print(f"{args.format} drafter written to {out_dir}")

@@ -28,7 +28,7 @@ MAX_STAT_DEPTH = 12
 
 
 class StepCosts(Protocol):
-    """What the planner reads of a `mmvsd.costs.CostTable`."""
+    """What the planner reads of a `mmvsd.decoding.costs.CostTable`."""
 
     def target_step(self, num_nodes: int, batch: int = 1) -> float: ...
 
@@ -212,7 +212,7 @@ class AutoShape:
         return AutoShape(FreeDrafting(self.costs), self.stats.light(), self.topk, self.depth, self.budget)
 
     def observe(self, tree, verdict) -> None:
-        """Learn acceptance from a verified tree (mmvsd.tree.DraftTree, mmvsd.verify.Verdict)."""
+        """Learn acceptance from a verified tree (mmvsd.decoding.tree.DraftTree, mmvsd.decoding.verify.Verdict)."""
         if tree.num_nodes < 2:
             return
         parent_scores = tree.draft_logprobs.gather(1, tree.parents.clamp(min=0))

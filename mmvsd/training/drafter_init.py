@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 
 from mmvsd.checkpoints import hf_cache_snapshot, hf_hub_cache
 from mmvsd.errors import UserError
-from mmvsd.layout_base import Layout
-from mmvsd.layout_registry import LAYOUTS, folder_layout, layout_names, load_with
+from mmvsd.layouts.base import Layout
+from mmvsd.layouts.registry import LAYOUTS, folder_layout, layout_names, load_with
 
 if TYPE_CHECKING:
     from mmvsd.drafter_base import Drafter
