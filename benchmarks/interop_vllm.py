@@ -214,7 +214,7 @@ def prompt_ids(target, count: int) -> list[list[int]]:
 
 def prepare_exports(target, spec: str, work: Path, seed: int) -> tuple:
     """The drafter (`random`, a shipped name or a folder) and its eagle3 and speculators exports under `work`."""
-    from mmvsd.drafter_spec import neural_drafter_from_spec
+    from mmvsd.drafters.spec import neural_drafter_from_spec
     from mmvsd.layouts.export import export_drafter
 
     drafter = neural_drafter_from_spec(spec, target, seed)  # the EAGLE-3 drafter alone: no n-gram branches

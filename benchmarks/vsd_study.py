@@ -8,7 +8,7 @@ small learning rate (5e-6 vs 3e-4 from scratch). This study does the same on CPU
 2. same wall clock: the budget is the median wall time of the `--budget-arm` runs of phase 1 (or
    `--wall-seconds`); every other arm trains again for as many steps as its measured seconds per
    step allow (the budget arm's phase-1 runs are its same-wall-clock runs);
-3. tau at T = 0 with the acceptance evaluator (`mmvsd.decoding.acceptance`, the target's greedy continuation
+3. tau at T = 0 with the acceptance evaluator (`mmvsd.training.acceptance`, the target's greedy continuation
    replayed, exact) on held-out prompts, optionally at T = 1 with `speculative_generate`;
 4. per arm: tau pooled over prompts (new tokens / target forwards) averaged over seeds, a bootstrap
    95% interval over prompts (seeds averaged inside each resample), the spread over seeds; per arm
@@ -186,7 +186,8 @@ class PromptSet:
 def load_prompt_sets(target, specs: list[str], limit: int, max_new_tokens: int) -> list[PromptSet]:
     """Held-out prompts per benchmark, prompt file or image task (e.g. `vqav2_val_mini_long`, its images
     through the target's modality adapter) with the target's cached greedy continuations."""
-    from mmvsd.decoding.acceptance import cached_greedy_continuations, load_eval_prompts
+    from mmvsd.prompts import load_eval_prompts
+    from mmvsd.training.acceptance import cached_greedy_continuations
 
     sets = []
     for spec in specs:
@@ -200,7 +201,7 @@ def measure_counts(target, drafter, prompt_set: PromptSet, shape, temperature: f
     """Per-prompt (new tokens, target forwards): the evaluator's exact replay at T = 0, generate at T > 0
     (on the first `sampled_limit` prompts of the set when it is set: sampling runs the whole decode loop)."""
     if temperature == 0:
-        from mmvsd.decoding.acceptance import evaluate_acceptance
+        from mmvsd.training.acceptance import evaluate_acceptance
 
         report = evaluate_acceptance(target, drafter, prompt_set.prompts, prompt_set.continuations, shape, batch_size)
         return [p.new_tokens for p in report.prompts], [p.target_forwards for p in report.prompts]
@@ -236,7 +237,7 @@ def evaluate_all(args: argparse.Namespace, target, runs: list[dict], prompt_sets
     Each measurement is kept in OUT/eval_cache.json as soon as it is made, keyed by `evaluation_key`, so
     an interrupted study, or one asked for another budget or temperature, measures only what is new."""
     from mmvsd.decoding.tree import TreeShape
-    from mmvsd.drafter_spec import neural_drafter_from_spec
+    from mmvsd.drafters.spec import neural_drafter_from_spec
     from mmvsd.files import atomic_file
     from mmvsd.shipped import weights_sha256
 

@@ -135,12 +135,6 @@ def generate_items(family: str, split: str, num_items: int, seed: int = 0) -> li
 # ----------------------------------------------------------------------------- records and files
 
 
-def render_meta(family: str, meta: dict[str, Any]) -> Image.Image:
-    """Redraw an item's image from its meta (for checks, or after editing the parameters)."""
-    _check_request(family, SPLITS[0])
-    return RENDERERS[family](meta)
-
-
 def png_bytes(image: Image.Image) -> bytes:
     """The PNG encoding of an image, with no metadata: identical images give identical bytes."""
     buffer = io.BytesIO()
@@ -163,13 +157,6 @@ def answer_sentence(item: ImageItem) -> str:
     if item.answer in ("yes", "no"):
         return item.answer.capitalize() + "."
     return f"The answer is {item.answer}."
-
-
-def to_llava_instruct(item: ImageItem, image_path: str | Path) -> dict[str, Any]:
-    """A LLaVA-Instruct conversation record: the question with an <image> token, and the answer."""
-    return {"id": item.item_id, "image": Path(image_path).as_posix(),
-            "conversations": [{"from": "human", "value": "<image>\n" + item.question},
-                              {"from": "gpt", "value": answer_sentence(item)}]}
 
 
 def _write_atomic(path: Path, payload: bytes) -> None:

@@ -29,7 +29,7 @@ from mmvsd.drafter_base import (
     read_drafter_config,
     save_drafter_folder,
 )
-from mmvsd.drafters.eagle3 import MLP, Attention, RMSNorm, layer_sizes
+from mmvsd.drafters.layers import MLP, Attention, RMSNorm, layer_sizes
 from mmvsd.errors import UserError
 
 

@@ -21,6 +21,8 @@ from mmvsd.drafters.ngram import NEG_INF, NgramConfig, NgramDrafter, NgramSessio
 class HybridDrafter:
     """A neural drafter plus n-gram branches; decoding uses it like any drafter."""
 
+    proposes_from_context = True  # its n-gram branches
+
     def __init__(self, neural: Drafter, ngram: NgramDrafter) -> None:
         self.neural = neural
         self.ngram = ngram

@@ -204,6 +204,8 @@ class NgramDrafter:
 
     drafter_type = "ngram"
     reads_aux = False  # reads no target features at all
+    proposes_from_context = True
+    neural = None  # no weights
 
     def __init__(self, config: NgramConfig | None = None) -> None:
         self.config = config or NgramConfig()

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from mmvsd.adapter_base import Prompt
 from mmvsd.decoding.decode import DecodeConfig, SequenceResult, speculative_generate, vanilla_generate
 from mmvsd.decoding.shape_policy import AcceptanceStats
-from mmvsd.drafter_spec import drafter_from_spec
+from mmvsd.drafters.spec import drafter_from_spec
 from mmvsd.errors import UserError
 from mmvsd.eval.baselines import hf_generate
 from mmvsd.eval.bench_config import BenchConfig, tree_shape

@@ -144,7 +144,7 @@ class MmvsdLmms(lmms):
         if str(batch_size) != "1":
             raise UserError(f"--model {MODEL_NAME} decodes one request at a time (tau and wall time are per "
                             f"sample): use batch_size 1, not {batch_size}")
-        from mmvsd.drafter_spec import drafter_from_spec  # transformers-backed: see the module docstring
+        from mmvsd.drafters.spec import drafter_from_spec  # transformers-backed: see the module docstring
         from mmvsd.eval.bench import TreeGenerate  # likewise
         from mmvsd.target_loader import load_target  # likewise
 

@@ -24,6 +24,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _on_off(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"use on or off, not {text!r}")
+    return text == "on"
+
+
+def add_ngram_argument(p: argparse.ArgumentParser, help_text: str) -> None:
+    """`--ngram on|off`, read as True / False (None when not given: the drafter spec's default)."""
+    p.add_argument("--ngram", type=_on_off, metavar="on|off", help=help_text)
+
+
 def add_tree_arguments(p: argparse.ArgumentParser, default: str) -> None:
     """`--tree auto|BUDGET/DEPTH/TOPK` and the older `--tree-budget/--tree-depth/--tree-topk` (a fixed shape;
     unset parts take 60/7/10)."""
@@ -74,8 +85,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="an image shown before the prompt text (repeat for several)")
     p.add_argument("--adapter", help="modality adapter by name (default: the first registered one that fits)")
-    p.add_argument("--ngram", choices=("on", "off"),
-                   help="n-gram (prompt-lookup) branches in a neural drafter's trees (default on; 'off' disables)")
+    add_ngram_argument(p, "n-gram (prompt-lookup) branches in a neural drafter's trees (default on; 'off' disables)")
     add_placement_arguments(p)
 
 
@@ -122,7 +132,7 @@ def _add_eval_drafter(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=0, help="first N prompts (0: all)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=256)
     add_tree_arguments(p, default="60/7/10")
-    p.add_argument("--ngram", choices=("on", "off"), help="n-gram branches in the trees, as for generate")
+    add_ngram_argument(p, "n-gram branches in the trees, as for generate")
     p.add_argument("--batch-size", type=_positive_int,
                    help="prompts replayed together (default 8; 1 with n-gram branches, whose statistics a batch's "
                         "rows share, so that tau is generate's at its default batch size 1)")
@@ -149,8 +159,8 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", required=True, help="built-in name, local folder, .gguf file or HF id")
     p.add_argument("--drafter", default="none",
                    help="none (default), random, ngram, or a drafter folder (as `mmvsd generate --drafter`)")
-    p.add_argument("--ngram", choices=("on", "off"),
-                   help="as in `mmvsd generate`: profile the neural drafter with (default) or without n-gram branches")
+    add_ngram_argument(p, "as in `mmvsd generate`: profile the neural drafter with (default) or without n-gram "
+                          "branches")
     p.add_argument("--batch-size", type=_positive_int, action="append", help="batch size to measure (repeatable)")
     p.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
     p.add_argument("--plot", metavar="OUT.png", help="write the cost curves to this PNG file")
@@ -225,7 +235,7 @@ def run_generate(args: argparse.Namespace) -> None:
         vanilla_generate,
     )
     from mmvsd.decoding.shape_policy import AcceptanceStats  # CLI start-up: loaded per command
-    from mmvsd.drafter_spec import check_ngram_options, drafter_from_spec  # CLI start-up: loaded per command
+    from mmvsd.drafters.spec import check_ngram_options, drafter_from_spec  # CLI start-up: loaded per command
     from mmvsd.shipped import implicit_drafter_spec  # CLI start-up: loaded per command
     from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
 
@@ -237,10 +247,9 @@ def run_generate(args: argparse.Namespace) -> None:
         raise UserError(f"image file not found: {missing[0]}")
     config = DecodeConfig(args.max_new_tokens, args.temperature, tree_from_args(args), args.seed)
     args.drafter = args.drafter or implicit_drafter_spec(args.target)
-    ngram = None if args.ngram is None else args.ngram == "on"
-    check_ngram_options(args.drafter, ngram)
+    check_ngram_options(args.drafter, args.ngram)
     target = load_target(args.target, *placement(args.device, args.dtype))
-    drafter = drafter_from_spec(args.drafter, target, args.seed, ngram=ngram)
+    drafter = drafter_from_spec(args.drafter, target, args.seed, ngram=args.ngram)
     warning = half_precision_warning(target.dtype) if drafter is not None else None
     if warning:
         print(warning, file=sys.stderr)
@@ -293,31 +302,31 @@ def _encode_prompts(target, texts: list[str], args: argparse.Namespace) -> list:
 
 def run_eval_drafter(args: argparse.Namespace) -> None:
     """`mmvsd eval-drafter`: greedy continuations (cached), then the replayed acceptance report."""
-    from mmvsd.decoding import acceptance as evaluate  # CLI start-up: loaded per command
     from mmvsd.decoding.tree import TreeShape  # CLI start-up: loaded per command
-    from mmvsd.drafter_base import Drafter  # CLI start-up: loaded per command
-    from mmvsd.drafter_spec import drafter_from_spec  # CLI start-up: loaded per command
+    from mmvsd.drafters.spec import drafter_from_spec  # CLI start-up: loaded per command
+    from mmvsd.prompts import load_eval_prompts  # CLI start-up: loaded per command
     from mmvsd.shipped import implicit_drafter_spec  # CLI start-up: loaded per command
     from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
+    from mmvsd.training import acceptance as evaluate  # CLI start-up: loaded per command
 
     shape = tree_from_args(args)
     spec = args.drafter or implicit_drafter_spec(args.target)
     if spec == "none":
         raise UserError("--drafter none drafts nothing: there is no acceptance to measure")
     target = load_target(args.target, *placement(args.device, args.dtype))
-    drafter = drafter_from_spec(spec, target, args.seed, ngram=None if args.ngram is None else args.ngram == "on")
+    drafter = drafter_from_spec(spec, target, args.seed, ngram=args.ngram)
     if shape == "auto":  # the trees auto plans from this machine's costs; its speed guard's plain steps are not replayed
-        from mmvsd.decoding.costs import load_cost_table  # CLI start-up: loaded per command
+        from mmvsd.decoding.cost_cache import load_cost_table  # CLI start-up: loaded per command
         from mmvsd.decoding.shape_policy import AcceptanceStats, AutoShape  # CLI start-up: loaded per command
 
         shape = AutoShape(load_cost_table(target, drafter, batch_sizes=(1,)), AcceptanceStats())
-    prompts = evaluate.load_eval_prompts(target, args.prompt_file, args.limit, args.adapter)
+    prompts = load_eval_prompts(target, args.prompt_file, args.limit, args.adapter)
     evaluate.check_eval_prompts(target, prompts, args.max_new_tokens, shape)
     start = time.perf_counter()
     make = evaluate.greedy_continuations if args.no_cache else evaluate.cached_greedy_continuations
     continuations = make(target, prompts, args.max_new_tokens, args.batch_size or 8)
     print(f"greedy continuations: {len(prompts)} prompts, {time.perf_counter() - start:.1f} s", flush=True)
-    learns = not isinstance(drafter, Drafter) or not isinstance(shape, TreeShape)  # statistics shared by a batch
+    learns = drafter.proposes_from_context or not isinstance(shape, TreeShape)  # statistics shared by a batch
     batch_size = args.batch_size or (1 if learns else 8)
     report = evaluate.evaluate_acceptance(target, drafter, prompts, continuations, shape, batch_size, progress=True)
     print(evaluate.format_report(report))
@@ -344,21 +353,18 @@ def run_adapters(args: argparse.Namespace) -> None:
 
 def run_profile(args: argparse.Namespace) -> None:
     """`mmvsd profile`: load (measuring once) the cost table, print it, optionally plot it."""
-    from mmvsd.decoding.costs import (  # CLI start-up: loaded per command
-        cost_key,
-        cost_table_path,
-        format_cost_table,
-        load_cost_table,
-        plot_cost_table,
-    )
-    from mmvsd.drafter_spec import drafter_from_spec  # CLI start-up: loaded per command
+    from mmvsd.decoding.cost_cache import cost_table_path, load_cost_table  # CLI start-up: loaded per command
+    from mmvsd.decoding.cost_plot import plot_cost_table  # CLI start-up: loaded per command
+    from mmvsd.decoding.costs import format_cost_table  # CLI start-up: loaded per command
+    from mmvsd.decoding.fingerprints import cost_key  # CLI start-up: loaded per command
+    from mmvsd.drafters.spec import drafter_from_spec  # CLI start-up: loaded per command
     from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
 
     if args.plot and not args.plot.lower().endswith(".png"):
         raise UserError(f"--plot must name a .png file, got {args.plot!r}")
     batch_sizes = tuple(sorted(set(args.batch_size or [1])))
     target = load_target(args.target, *placement(args.device, args.dtype))
-    drafter = drafter_from_spec(args.drafter, target, ngram=None if args.ngram is None else args.ngram == "on")
+    drafter = drafter_from_spec(args.drafter, target, ngram=args.ngram)
     table = load_cost_table(target, drafter, batch_sizes, refresh=args.refresh)
     print(format_cost_table(table))
     print(f"profile cached in {cost_table_path(cost_key(target, drafter, batch_sizes, table.context))}")

@@ -3,8 +3,9 @@
 EAGLE-family drafters read "pairs": at committed position t they see a feature of position t
 (the target's auxiliary hidden states, or their own output hidden state inside a draft tree) and
 the embedding of token t+1, and predict token t+2. A `DraftSession` (`mmvsd.decoding.draft_session`) keeps a
-drafter's own ragged KV cache in step with the target's while decoding. The architectures and the
-registry that loads them by name are `mmvsd.drafters`.
+drafter's own ragged KV cache in step with the target's while decoding. The registry that loads an
+architecture by name is here (`drafter_class`, `load_drafter`); the architectures register themselves from
+`drafters/`, one file each.
 
 Media reach a drafter as `PairMedia`: for every pair, the target's input embedding of the pair's
 next token (the projected media embedding inside a media span) and which span that token is in.
@@ -27,6 +28,7 @@ from mmvsd.decoding.draft_session import DraftInputs, DraftSession  # noqa: F401
 from mmvsd.decoding.kv import RaggedCache
 from mmvsd.errors import UserError
 from mmvsd.files import atomic_dir
+from mmvsd.plugins import load_plugins
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,12 @@ class Drafter(nn.Module):
     drafter_type: ClassVar[str] = ""
     media_curriculum: ClassVar[bool] = False  # train text-only first, then more and more media samples
     reads_aux: ClassVar[bool] = True  # whether `target_features` needs the auxiliary layers' hidden states
+    proposes_from_context: ClassVar[bool] = False  # proposes from its draft vocabulary, never from the context
+
+    @property
+    def neural(self) -> Drafter:
+        """The neural drafter whose weights it runs: itself (the `Proposer` interface)."""
+        return self
 
     @classmethod
     def from_target(cls, target, draft_vocab_size: int | None = None, seed: int = 0) -> Drafter:
@@ -178,3 +186,33 @@ def target_to_draft_ids(drafter: Drafter, vocab_size: int) -> Tensor:
     index = torch.full((vocab_size,), -1, dtype=torch.long, device=vocab_ids.device)
     index[vocab_ids] = torch.arange(vocab_ids.numel(), device=vocab_ids.device)
     return index
+
+
+DRAFTERS: dict[str, type[Drafter]] = {}  # drafter_type -> class; filled by the plugins (`drafters/` built in)
+
+
+def register_drafter(cls: type[Drafter]) -> type[Drafter]:
+    """Class decorator: make a drafter architecture loadable by its `drafter_type`."""
+    if not cls.drafter_type:
+        raise ValueError(f"{cls.__name__} has no drafter_type")
+    DRAFTERS[cls.drafter_type] = cls
+    return cls
+
+
+def drafter_class(name: str) -> type[Drafter]:
+    """The drafter class whose `drafter_type` is `name` (clear error listing the known ones)."""
+    load_plugins()
+    if name not in DRAFTERS:
+        raise UserError(f"unknown drafter type {name!r}; registered: {', '.join(sorted(DRAFTERS))}")
+    return DRAFTERS[name]
+
+
+def load_drafter(path: str | Path, target) -> Drafter:
+    """Load a drafter directory (config.json + model.safetensors) for `target`."""
+    path = Path(path)
+    drafter_type = read_config(path).get("mmvsd_drafter_type")
+    if not drafter_type:
+        raise UserError(f"{path / 'config.json'} does not name an mmvsd drafter type (key 'mmvsd_drafter_type')")
+    drafter = drafter_class(drafter_type).from_pretrained(path, target)
+    drafter.check_target(target)
+    return drafter

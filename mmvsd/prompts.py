@@ -1,11 +1,25 @@
-"""Reading prompts from the command line or from JSONL files (`prompt`, or MT-Bench `turns`)."""
+"""Prompts: reading JSONL prompt files (`prompt`, or MT-Bench `turns`), and the registry of named prompt sets
+(the benchmarks' first turns, with their images) that `eval-drafter` and the training tau monitor read.
+
+The prompt sets register themselves from `eval/prompt_sets.py`, a plugin (`mmvsd.plugins`).
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mmvsd.errors import UserError
+from mmvsd.plugins import load_plugins
+
+if TYPE_CHECKING:  # types only
+    from mmvsd.adapter_base import Prompt
+    from mmvsd.target import Target
+
+PromptSetLoader = Callable[["Target", int, str], "list[Prompt]"]  # (target, limit (0: all), adapter name) -> prompts
+PROMPT_SETS: dict[str, PromptSetLoader] = {}
 
 
 def read_prompt_file(path: str | Path) -> list[str]:
@@ -29,4 +43,34 @@ def read_prompt_file(path: str | Path) -> list[str]:
         prompts.append(prompt)
     if not prompts:
         raise UserError(f"prompt file {path} holds no prompts")
+    return prompts
+
+
+def register_prompt_set(name: str, loader: PromptSetLoader) -> None:
+    """Make a prompt set loadable by `name` (`--prompt-file NAME`, `eval_prompts=NAME`)."""
+    PROMPT_SETS[name] = loader
+
+
+def prompt_set_names() -> list[str]:
+    load_plugins()
+    return sorted(PROMPT_SETS)
+
+
+def load_eval_prompts(target: Target, spec: str, limit: int = 0, adapter: str = "") -> list[Prompt]:
+    """The target's prompts of `spec` (first `limit`, 0: all): a JSONL prompt file's, through the chat template,
+    or a registered prompt set's (a benchmark's first turns, with images through the modality adapter
+    `adapter`, or the first that can feed the target)."""
+    from mmvsd.adapter_base import Prompt  # loads torch: the command line reads prompt files without it
+
+    if limit < 0:
+        raise UserError(f"--limit must be >= 0, got {limit}")
+    if Path(spec).exists():
+        texts = read_prompt_file(spec)
+        return [Prompt(target.encode_prompt(text)) for text in (texts[:limit] if limit > 0 else texts)]
+    names = prompt_set_names()
+    if spec not in PROMPT_SETS:
+        raise UserError(f"prompt file not found: {spec} (or name a built-in benchmark: {', '.join(names)})")
+    prompts = PROMPT_SETS[spec](target, limit, adapter)
+    if not prompts:
+        raise UserError(f"no prompts in {spec}")
     return prompts

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -238,7 +239,25 @@ def format_shipped() -> str:
     return "\n".join(lines)
 
 
+# a manifest's tau key: BENCHMARK_COUNT_prompts|first_turns[_TOKENS_tokens_TREE_TEMPERATURE]
+TAU_KEY = re.compile(r"(?P<bench>.+?)_(?P<count>\d+)_(?P<unit>prompts|first_turns)"
+                     r"(?:_(?P<tokens>\d+)_tokens_(?P<tree>\d+/\d+/\d+)_(?P<temperature>T\d+))?$")
+
+
 def _tau_text(tau) -> str:
-    if isinstance(tau, dict):
-        return ", ".join(f"{k} {v:.2f}" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in tau.items())
-    return f"{tau:.2f}" if isinstance(tau, (int, float)) else str(tau or "-")
+    """A manifest's tau in one short line: per benchmark, then the conditions they share, said once."""
+    if not isinstance(tau, dict):
+        return f"{tau:.2f}" if isinstance(tau, (int, float)) else str(tau or "-")
+    entries, counts, conditions = [], set(), set()
+    for key, value in tau.items():
+        match = TAU_KEY.match(key)
+        text = f"{value:.2f}" if isinstance(value, (int, float)) else str(value)
+        entries.append((match["bench"] if match else key, text, match and match["count"]))
+        if match:
+            counts.add(f"{match['count']} {match['unit'].replace('_', ' ')}")
+            if match["tokens"]:
+                conditions.add(f"{match['tokens']} tokens, tree {match['tree']}, {match['temperature']}")
+    same_count = len(counts) == 1
+    parts = [f"{name} {text}" + (f" ({count})" if count and not same_count else "") for name, text, count in entries]
+    shared = ([f"{counts.pop()} each"] if same_count else []) + (list(conditions) if len(conditions) == 1 else [])
+    return ", ".join(parts) + (f" ({'; '.join(shared)})" if shared else "")

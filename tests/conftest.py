@@ -24,12 +24,12 @@ TINY_VOCAB = 128
 def profiles_in_a_temporary_folder(tmp_path_factory):
     """Cost profiles that tests measure go to a temporary folder, never the user's mmvsd cache (a test that
     sets MMVSD_CACHE keeps them under its own cache, as mmvsd does)."""
-    from mmvsd.decoding import costs
+    from mmvsd.decoding import cost_cache
 
     folder = tmp_path_factory.mktemp("profiles")
-    in_the_cache = costs.profiles_dir
+    in_the_cache = cost_cache.profiles_dir
     patch = pytest.MonkeyPatch()
-    patch.setattr(costs, "profiles_dir", lambda: in_the_cache() if os.environ.get("MMVSD_CACHE") else folder)
+    patch.setattr(cost_cache, "profiles_dir", lambda: in_the_cache() if os.environ.get("MMVSD_CACHE") else folder)
     yield
     patch.undo()
 

@@ -113,7 +113,7 @@ def test_drafter_save_load_keeps_logits(tiny_target, tmp_path):
     drafter = Eagle3Drafter.from_target(tiny_target, draft_vocab_size=64, seed=2).eval()
     drafter.set_draft_vocab(torch.arange(0, 128, 2))
     drafter.save_pretrained(tmp_path / "d")
-    from mmvsd.drafters import load_drafter
+    from mmvsd.drafter_base import load_drafter
 
     loaded = load_drafter(tmp_path / "d", tiny_target)
     features = torch.randn(2, 5, 3 * tiny_target.hidden_size)

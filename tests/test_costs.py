@@ -10,8 +10,11 @@ import torch
 
 from conftest import make_tiny_llama, save_tiny_target
 from mmvsd.cli import main
-from mmvsd.decoding import costs
-from mmvsd.decoding.costs import CostTable, cost_key, cost_table_path, load_cost_table, measure_costs
+from mmvsd.decoding import cost_cache, fingerprints
+from mmvsd.decoding.cost_cache import cost_table_path, load_cost_table
+from mmvsd.decoding.cost_measure import measure_costs
+from mmvsd.decoding.costs import CostTable
+from mmvsd.decoding.fingerprints import cost_key
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.target import Target
 
@@ -115,7 +118,7 @@ class FakeMeasure:
 def fake_measure(monkeypatch, tmp_path) -> FakeMeasure:
     monkeypatch.setenv("MMVSD_CACHE", str(tmp_path))
     fake = FakeMeasure()
-    monkeypatch.setattr(costs, "measure_costs", fake)
+    monkeypatch.setattr(cost_cache, "measure_costs", fake)
     return fake
 
 
@@ -126,7 +129,7 @@ def fingerprint_of(cpu: str):
 
 
 def test_cache_is_reused_only_for_the_same_key(fake_measure, monkeypatch, tiny_target, random_drafter):
-    monkeypatch.setattr(costs, "machine_fingerprint", fingerprint_of("test machine A"))
+    monkeypatch.setattr(fingerprints, "machine_fingerprint", fingerprint_of("test machine A"))
     first = load_cost_table(tiny_target, random_drafter, progress=False)
     assert load_cost_table(tiny_target, random_drafter, progress=False) == first and fake_measure.calls == 1
     path = cost_table_path(first.key)
@@ -140,10 +143,10 @@ def test_cache_is_reused_only_for_the_same_key(fake_measure, monkeypatch, tiny_t
     bf16 = Target(make_tiny_llama().to(torch.bfloat16), None, "tiny-llama")  # another dtype
     load_cost_table(bf16, None, progress=False)
     assert fake_measure.calls == 5
-    monkeypatch.setattr(costs, "machine_fingerprint", fingerprint_of("test machine B"))
+    monkeypatch.setattr(fingerprints, "machine_fingerprint", fingerprint_of("test machine B"))
     load_cost_table(tiny_target, random_drafter, progress=False)  # another machine
     assert fake_measure.calls == 6
-    monkeypatch.setattr(costs, "machine_fingerprint", fingerprint_of("test machine A"))
+    monkeypatch.setattr(fingerprints, "machine_fingerprint", fingerprint_of("test machine A"))
     assert load_cost_table(tiny_target, random_drafter, progress=False) == first and fake_measure.calls == 6
 
 

@@ -13,16 +13,16 @@ import torch
 
 from conftest import PROMPT_POOL, make_tiny_llama, random_prompts, run_cli, save_tiny_target
 from mmvsd.cli import main
-from mmvsd.decoding import acceptance as evaluate
-from mmvsd.decoding.acceptance import (
-    cached_greedy_continuations,
-    evaluate_acceptance,
-    greedy_continuations,
-)
 from mmvsd.decoding.decode import DecodeConfig, speculative_generate, vanilla_generate
 from mmvsd.decoding.tree import TreeShape
 from mmvsd.errors import UserError
 from mmvsd.target import Target
+from mmvsd.training import acceptance as evaluate
+from mmvsd.training.acceptance import (
+    cached_greedy_continuations,
+    evaluate_acceptance,
+    greedy_continuations,
+)
 
 PROMPTS = PROMPT_POOL[:6] + random_prompts(3, seed=41)  # the fitted drafter knows PROMPT_POOL: real acceptances
 SHAPES = [TreeShape(60, 7, 10), TreeShape(12, 4, 3), TreeShape(4, 3, 1), TreeShape(1, 7, 10)]
@@ -79,8 +79,8 @@ def test_evaluator_counts_nothing_after_eos(eos_target, fitted_drafter):
 
 def test_evaluator_equals_generate_with_ngram_and_hybrid_drafters(tiny_target, fitted_drafter):
     """n-gram statistics are shared by a batch's rows: equal to generate one prompt at a time (its default)."""
-    from mmvsd.drafter_spec import drafter_from_spec
     from mmvsd.drafters.hybrid import with_ngram
+    from mmvsd.drafters.spec import drafter_from_spec
 
     assert_same_as_generate(tiny_target, with_ngram(fitted_drafter), TreeShape(20, 5, 4), 1, 1)
     assert_same_as_generate(tiny_target, drafter_from_spec("ngram", tiny_target), TreeShape(20, 5, 4), 1, 1)
@@ -126,7 +126,7 @@ def evaluate_random_drafter(target):
 def test_evaluator_with_image_prompts_equals_generate(llava_target, llava_dir):
     from mmvsd.adapter_base import Prompt
     from mmvsd.adapters import choose_adapter
-    from mmvsd.drafters import drafter_class
+    from mmvsd.drafter_base import drafter_class
 
     adapter = choose_adapter(llava_target, "", "image")
     prompts = [adapter.encode(llava_target, "w5 w6", [llava_dir / "a.png"]),
@@ -280,8 +280,8 @@ def test_image_tasks_are_read_with_their_images(llava_target, llava_dir, tmp_pat
     """`--prompt-file vqav2_val_mini_long` gives the task's first turns with their images, as the bench encodes
     them (the adapter's prompt of the item's text and image), and eval-drafter replays them."""
     from mmvsd.adapters import choose_adapter
-    from mmvsd.decoding.acceptance import load_eval_prompts
     from mmvsd.eval.suites import load_items
+    from mmvsd.prompts import load_eval_prompts
 
     prompts = load_eval_prompts(llava_target, "vqav2_val_mini_long", limit=2)
     items = load_items("vqav2_val_mini_long", 2)

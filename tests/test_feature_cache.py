@@ -16,7 +16,6 @@ from mmvsd.training import feature_cache
 from mmvsd.training.feature_cache import (
     FeatureCache,
     check_cache_matches,
-    estimate_cache_bytes,
     plan_feature_cache,
     write_feature_cache,
 )
@@ -175,7 +174,7 @@ def test_check_cache_matches(tiny_target, examples, tmp_path):
 def test_estimate_matches_bytes_on_disk(tiny_target, examples, tmp_path, dtype):
     out_dir = write(tiny_target, examples, tmp_path / "cache", dtype=dtype)
     actual = sum(p.stat().st_size for p in out_dir.iterdir())
-    estimate = estimate_cache_bytes(tiny_target, examples, dtype=dtype, shard_size=3)
+    estimate = plan_feature_cache(tiny_target, examples, dtype=dtype, shard_size=3).num_bytes
     assert abs(estimate - actual) / actual < 0.03, (estimate, actual)
     plan = plan_feature_cache(tiny_target, examples, dtype=dtype, shard_size=3)
     assert plan.num_tokens == sum(len(ex.input_ids) for ex in examples) and plan.num_shards == 3

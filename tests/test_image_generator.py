@@ -6,23 +6,27 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from PIL import Image
 from scipy import ndimage
 
 from mmvsd.data.image_families import CANVAS_SIZE, SHAPE_COLORS
 from mmvsd.data.image_photos import PHOTOS
 from mmvsd.data.images import (
     FAMILIES,
+    RENDERERS,
     SPLITS,
+    ImageItem,
+    answer_sentence,
     generate_item,
     generate_items,
     item_record,
     png_bytes,
     read_items,
-    render_meta,
-    to_llava_instruct,
     write_items,
 )
 from mmvsd.errors import UserError
@@ -307,3 +311,18 @@ def test_chart_renderer_rejects_undrawable_parameters():
                             ({"categories": [f"c{i}" for i in range(9)], "values": [1] * 9}, "at most")]:
         with pytest.raises(UserError, match=message):
             render_meta("chartqa", {**good, **change})
+
+
+# test-only helpers: redraw an item from its meta; an item as a LLaVA-Instruct record
+
+
+def render_meta(family: str, meta: dict[str, Any]) -> Image.Image:
+    """Redraw an item's image from its meta (the renderers check the parameters)."""
+    return RENDERERS[family](meta)
+
+
+def to_llava_instruct(item: ImageItem, image_path: str | Path) -> dict[str, Any]:
+    """A LLaVA-Instruct conversation record: the question with an <image> token, and the answer."""
+    return {"id": item.item_id, "image": Path(image_path).as_posix(),
+            "conversations": [{"from": "human", "value": "<image>\n" + item.question},
+                              {"from": "gpt", "value": answer_sentence(item)}]}

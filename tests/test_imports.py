@@ -8,10 +8,11 @@ import ast
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"mmvsd": "mmvsd", "mmvsd.adapters": "adapters", "mmvsd.drafters": "drafters", "mmvsd.data": "data",
-            "mmvsd.eval": "eval", "mmvsd.configs": "configs"}  # as pyproject's package-dir maps them
+# the top-level package folders, read from pyproject's `package-dir` (the one statement of the mapping)
+PACKAGES = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
 
 
 def package_modules() -> dict[str, Path]:

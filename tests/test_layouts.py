@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import PROMPT_POOL, make_tiny_llama, save_tiny_target
 from mmvsd.decoding.decode import DecodeConfig, speculative_generate
-from mmvsd.drafters import load_drafter
+from mmvsd.drafter_base import load_drafter
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.errors import UserError
 from mmvsd.layouts.export import export_drafter

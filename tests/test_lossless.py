@@ -114,8 +114,8 @@ def test_shipped_smollm2_drafters_decode_losslessly_and_accept_tokens(smollm2_ta
     """The shipped SmolLM2 drafters (`eagle3-vsd`, the default, and `eagle3-ce`) decode MT-Bench first turns
     token for token as vanilla decoding does, and accept more than one token per target forward (an untrained
     drafter accepts about one: see the random-drafter test)."""
-    from mmvsd.decoding.acceptance import load_eval_prompts
-    from mmvsd.drafter_spec import drafter_from_spec
+    from mmvsd.drafters.spec import drafter_from_spec
+    from mmvsd.prompts import load_eval_prompts
 
     drafter = drafter_from_spec(name, smollm2_target, ngram=False)
     assert drafter.drafter_type == "eagle3"

@@ -19,8 +19,7 @@ from mmvsd.cli import main
 from mmvsd.decoding.decode import DecodeConfig, speculative_generate, vanilla_generate
 from mmvsd.decoding.kv import sequence_block
 from mmvsd.decoding.tree import TreeShape
-from mmvsd.drafter_base import DraftInputs, PairMedia
-from mmvsd.drafters import drafter_class, load_drafter
+from mmvsd.drafter_base import DraftInputs, PairMedia, drafter_class, load_drafter
 from mmvsd.drafters.vispec import ViSpecConfig, ViSpecDrafter
 from mmvsd.errors import UserError
 from mmvsd.target_loader import load_target
@@ -384,7 +383,7 @@ def test_regeneration_answers_each_image_conversation_seeing_its_image(mild_llav
 def test_drafters_run_against_a_bf16_target(llava_dir, name):
     """A bf16 target (training's target_dtype=bf16, whose validation tau replays with it) lends its bf16 LM
     head to an fp32 drafter: drafting casts, so evaluation and decoding run (they raised a dtype error)."""
-    from mmvsd.decoding.acceptance import evaluate_acceptance, greedy_continuations
+    from mmvsd.training.acceptance import evaluate_acceptance, greedy_continuations
 
     target = load_target(str(llava_dir), dtype=torch.bfloat16)
     adapter = adapter_for(target, "image")

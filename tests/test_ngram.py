@@ -16,7 +16,6 @@ from mmvsd.decoding.decode import DecodeConfig, speculative_generate, vanilla_ge
 from mmvsd.decoding.tree import TreeShape, build_dynamic_tree
 from mmvsd.decoding.verify import verify_sampling
 from mmvsd.drafter_base import DraftInputs
-from mmvsd.drafter_spec import drafter_from_spec
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.drafters.hybrid import HybridDrafter, merge_proposals, with_ngram
 from mmvsd.drafters.ngram import (
@@ -27,6 +26,7 @@ from mmvsd.drafters.ngram import (
     build_trie,
     parse_ngram_spec,
 )
+from mmvsd.drafters.spec import drafter_from_spec
 from mmvsd.errors import UserError
 from mmvsd.target import Target
 

@@ -90,7 +90,7 @@ def test_qwen_loads_as_the_real_model(qwen_target):
 def test_qwen_greedy_tree_decoding_is_lossless(qwen_target, drafter_spec, ngram):
     from mmvsd.decoding.decode import DecodeConfig, speculative_generate, vanilla_generate
     from mmvsd.decoding.tree import TreeShape
-    from mmvsd.drafter_spec import drafter_from_spec
+    from mmvsd.drafters.spec import drafter_from_spec
 
     prompt = qwen_target.encode_prompt("Write a Python function is_even(n). Then write is_odd(n) the same way.")
     vanilla = vanilla_generate(qwen_target, [prompt], DecodeConfig(max_new_tokens=16))[0].output_ids

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from torch import Tensor
 
 from conftest import PROMPT_POOL
 from mmvsd.decoding.decode import DecodeConfig, speculative_generate, vanilla_generate
@@ -19,9 +20,9 @@ from mmvsd.decoding.shape_policy import (
     AutoShape,
     SpeedGuard,
     StepChooser,
+    StepCosts,
     best_num_nodes,
-    best_static_tree,
-)
+    )
 from mmvsd.decoding.tree import DraftTree, TreeShape
 from mmvsd.drafter_base import DraftInputs
 from mmvsd.drafters.hybrid import with_ngram
@@ -309,3 +310,54 @@ def test_light_plan_keeps_its_own_statistics_and_carries_them():
     assert AutoShape(LinearCosts(), stats).without_drafter().stats is light.stats  # the next call learns on
     assert light.costs.draft_fixed() == 0.0 and light.costs.draft_expand(4) == 0.0
     assert light.costs.target_step(5) == plan.costs.target_step(5)
+
+
+# the brute-force reference the shape policy is tested against (test-only code)
+
+
+def best_static_tree(accept_by_rank: Tensor, costs: StepCosts, max_nodes: int, batch: int = 1) -> tuple[list[int], float]:
+    """The best fixed tree for a (rank -> acceptance) model: parents list (node i+1's parent, 0 = root)
+    and its expected tokens per second (Sequoia's question, on measured costs).
+
+    Under such a model a node's path probability is the product of its ancestors' rank acceptances,
+    so for a depth limit D the best n-node tree is the n largest path probabilities of depth <= D
+    (ancestor-closed: every factor is <= 1 and ranks are sorted). Each depth past the first costs one
+    drafter expand; the search runs over D and n. Exact when an expand's cost does not depend on its
+    width (otherwise widths are those of the chosen tree, a close approximation)."""
+    rates = torch.sort(accept_by_rank.float().clamp(0, 1), descending=True).values.tolist()
+    best_rate, best_parents = batch / costs.target_step(1, batch), []
+    for depth_limit in range(1, max_nodes + 1):
+        nodes = _best_first_nodes(rates, max_nodes, depth_limit)
+        for n in range(1, len(nodes) + 1):
+            rate = _static_rate(nodes[:n], costs, batch)
+            if rate > best_rate:
+                best_rate, best_parents = rate, [parent for _, parent, _, _ in nodes[:n]]
+    return best_parents, best_rate
+
+
+def _best_first_nodes(rates: list[float], max_nodes: int, depth_limit: int) -> list[tuple[float, int, int, int]]:
+    """Nodes (path prob, parent node, rank, depth) in decreasing path probability, depth <= depth_limit."""
+    nodes: list[tuple[float, int, int, int]] = []
+    frontier = [(rates[0], 0, 0, 1)]
+    while frontier and len(nodes) < max_nodes:
+        frontier.sort(key=lambda node: -node[0])
+        prob, parent, rank, depth = frontier.pop(0)
+        nodes.append((prob, parent, rank, depth))
+        if depth < depth_limit:
+            frontier.append((prob * rates[0], len(nodes), 0, depth + 1))
+        if rank + 1 < len(rates):
+            sibling = prob / rates[rank] * rates[rank + 1] if rates[rank] > 0 else 0.0
+            frontier.append((sibling, parent, rank + 1, depth))
+    return nodes
+
+
+def _static_rate(nodes: list[tuple[float, int, int, int]], costs: StepCosts, batch: int) -> float:
+    """Expected tokens/s of a fixed tree given as (path prob, parent, rank, depth) per node."""
+    tokens = 1.0 + sum(prob for prob, *_ in nodes)
+    parents_by_depth: dict[int, set[int]] = {}
+    for _, parent, _, depth in nodes:
+        parents_by_depth.setdefault(depth, set()).add(parent)
+    # depth 1 comes with the root's candidates; each deeper depth is one expand of its parents
+    draft = costs.draft_fixed(batch) + sum(costs.draft_expand(len(p), batch)
+                                           for d, p in parents_by_depth.items() if d > 1)
+    return batch * tokens / (costs.target_step(len(nodes) + 1, batch) + draft)

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from conftest import save_tiny_target
 from mmvsd import shipped
 from mmvsd.cli import main
-from mmvsd.drafter_spec import drafter_from_spec
 from mmvsd.drafters.eagle3 import Eagle3Drafter
+from mmvsd.drafters.spec import drafter_from_spec
 from mmvsd.errors import UserError
 from mmvsd.target_loader import BUILTIN_TARGETS, BuiltinTarget
 
@@ -145,3 +145,11 @@ def test_every_shipped_drafter_matches_its_manifest():
         manifest = drafter.manifest()
         assert all(key in manifest for key in shipped.REQUIRED_INFO), drafter.folder
         assert all(entry["bytes"] <= shipped.MAX_FILE_BYTES for entry in manifest["files"].values())
+
+
+def test_the_listing_names_benchmarks_and_says_shared_conditions_once():
+    tau = {"mt_bench_80_first_turns_256_tokens_60/7/10_T0": 1.99, "gsm8k_80_first_turns_256_tokens_60/7/10_T0": 2.12}
+    assert shipped._tau_text(tau) == "mt_bench 1.99, gsm8k 2.12 (80 first turns each; 256 tokens, tree 60/7/10, T0)"
+    mixed = {"chartqa_mini_long_30_prompts_256_tokens_60/5/8_T0": 3.84, "all_six_tasks_180_prompts": 3.77}
+    assert shipped._tau_text(mixed) == "chartqa_mini_long 3.84 (30), all_six_tasks 3.77 (180) (256 tokens, tree 60/5/8, T0)"
+    assert shipped._tau_text({"custom key": "pending"}) == "custom key pending" and shipped._tau_text(1.234) == "1.23"

@@ -280,10 +280,10 @@ def test_shipped_smol_llava_drafters_decode_image_prompts_losslessly(monkeypatch
     """The shipped drafters of smol-llava (ViSpec, its default, and MSD; with the shipped projector, not a rebuilt
     one) decode image prompts of the chart task token for token as vanilla decoding does, and accept several
     tokens per target forward (an untrained drafter accepts about one)."""
-    from mmvsd.decoding.acceptance import load_eval_prompts
     from mmvsd.decoding.decode import DecodeConfig, speculative_generate, vanilla_generate
     from mmvsd.decoding.tree import TreeShape
-    from mmvsd.drafter_spec import drafter_from_spec
+    from mmvsd.drafters.spec import drafter_from_spec
+    from mmvsd.prompts import load_eval_prompts
     from mmvsd.target_loader import load_target
 
     monkeypatch.setattr(smol_llava, "built_projector_dir", lambda: tmp_path / "none")  # the shipped projector

@@ -9,12 +9,12 @@ import pytest
 import torch
 from scipy.special import rel_entr
 from scipy.special import softmax as scipy_softmax
+from torch import Tensor
 
 from mmvsd.training.estep import EStepPaths
 from mmvsd.training.objectives import ObjectiveConfig, vsd_m_step
 from mmvsd.training.vsd import (
     car_weights,
-    expected_accepted_length,
     leave_one_out_acceptance,
     length_weights,
     oracle,
@@ -454,3 +454,18 @@ def test_oracle_diagnostics_on_hand_made_paths() -> None:
     mask[1] = False  # an unused anchor counts in none of them
     got = oracle_diagnostics(proposal_log_kappa, greedy_log_kappa, correction_passed, mask)
     assert float(got["greedy_kappa_one_rate"]) == 1.0 and float(got["mean_log_kappa"]) == pytest.approx(-1.25)
+
+
+# the paper's eq. EA_def in closed form for context-free drafts: the reference the estimators are checked against
+
+
+def expected_accepted_length(target_step_probs: Tensor, draft_step_probs: Tensor) -> Tensor:
+    """Exact eq. EA_def for context-free drafts: A(q) = E_{z~q}[sum_{k=1}^L S_k(x, z)].
+
+    When every step's distributions do not depend on the earlier tokens, the tokens of z ~ q are
+    independent, so E_q[S_k] = prod_{i<=k} E_{z_i~q_i}[min(1, p_i/q_i)] = prod_{i<=k} sum_v min(p_i, q_i).
+    target_step_probs [..., L, V]: p_theta(. | step i);  draft_step_probs [..., L, V]: q_psi(. | step i)
+    returns [...]
+    """
+    step_accept = torch.minimum(target_step_probs, draft_step_probs).sum(-1)  # [..., L] E[alpha_i]
+    return step_accept.cumprod(-1).sum(-1)

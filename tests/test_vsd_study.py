@@ -105,7 +105,7 @@ def test_arm_specs_and_bad_arguments(study):
 
 def test_image_tasks_are_study_prompt_sets_with_their_images(study, llava_target, tmp_path, monkeypatch):
     """The multimodal pair of the study: an image task's prompts carry their images into the evaluator."""
-    from mmvsd.decoding.acceptance import load_eval_prompts
+    from mmvsd.prompts import load_eval_prompts
 
     monkeypatch.setenv("MMVSD_CACHE", str(tmp_path / "cache"))
     [prompt_set] = study.load_prompt_sets(llava_target, ["vqav2_val_mini_long"], limit=2, max_new_tokens=4)
@@ -172,7 +172,7 @@ def test_measurements_are_cached_by_weights_and_settings(study, tmp_path, monkey
         return [3] * n, [2] * n
 
     monkeypatch.setattr(study, "measure_counts", fake_measure)
-    monkeypatch.setattr("mmvsd.drafter_spec.neural_drafter_from_spec", lambda folder, target: drafters[folder])
+    monkeypatch.setattr("mmvsd.drafters.spec.neural_drafter_from_spec", lambda folder, target: drafters[folder])
     sets = [study.PromptSet("p", [None] * 5)]
     args = study.parse_args(["--init", "a", "--out", str(tmp_path), "--temperatures", "0,1", "--sampled-limit", "2"])
     counts = study.evaluate_all(args, None, [], sets)

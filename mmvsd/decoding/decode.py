@@ -13,12 +13,13 @@ import torch
 from torch import Tensor
 
 from mmvsd.adapter_base import Prompt, padded_embeds, span_ids
-from mmvsd.decoding.costs import load_cost_table
+from mmvsd.decoding.cost_cache import load_cost_table
 from mmvsd.decoding.kv import sequence_block
+from mmvsd.decoding.proposer import Proposer
 from mmvsd.decoding.shape_policy import FULL, LIGHT, PLAIN, AcceptanceStats, AutoShape, StepChooser, StepCosts
 from mmvsd.decoding.tree import ShapePlan, TreeShape, build_dynamic_tree, root_only_tree
 from mmvsd.decoding.verify import row_generators, sample_next, verify
-from mmvsd.drafter_base import Drafter, DraftInputs, PairMedia
+from mmvsd.drafter_base import DraftInputs, PairMedia
 from mmvsd.errors import UserError
 from mmvsd.target import Target
 
@@ -182,7 +183,7 @@ def vanilla_generate(target: Target, prompts: list[PromptLike], config: DecodeCo
 
 @torch.no_grad()
 def speculative_generate(
-    target: Target, drafter: Drafter, prompts: list[PromptLike], config: DecodeConfig,
+    target: Target, drafter: Proposer, prompts: list[PromptLike], config: DecodeConfig,
     costs: StepCosts | None = None, stats: AcceptanceStats | None = None,
 ) -> list[SequenceResult]:
     """Tree speculative decoding: draft a tree, verify it in one target forward, repeat.
@@ -250,7 +251,7 @@ def speculative_generate(
     return tracker.results
 
 
-def _shape_plan(target: Target, drafter: Drafter, config: DecodeConfig, batch: int, costs: StepCosts | None,
+def _shape_plan(target: Target, drafter: Proposer, config: DecodeConfig, batch: int, costs: StepCosts | None,
                 stats: AcceptanceStats | None) -> tuple[ShapePlan, StepChooser | None]:
     """A fixed shape as given, or for "auto" the cost-aware plan and its choice of step kinds."""
     if isinstance(config.tree, TreeShape):

@@ -164,6 +164,15 @@ class RaggedCache:
     def on_truncate(self, length: int) -> None:
         """Hook: every row was cut to `length` slots, all committed (the block is gone)."""
 
+    def rewind(self, lens: Tensor) -> None:
+        """Put every row back to `lens` [B] committed tokens (none more than it has): what later steps
+        committed and the block are forgotten."""
+        lens = lens.to(self.lens.device)
+        if bool((lens > self.lens).any()):
+            raise ValueError("rewind only shortens rows")
+        self.lens = lens.clone()
+        self._truncate(int(self.lens.max().item()) if self.batch_size else 0)
+
     def drop_block(self) -> None:
         """Forget every entry appended since the last commit (drafter tree rollback)."""
         self._truncate(self.committed_len)

@@ -36,7 +36,7 @@ from transformers import DynamicCache, LlavaForConditionalGeneration, LlavaProce
 
 from mmvsd.adapters.llava import patch_embeddings
 from mmvsd.data.images import FAMILIES, ImageItem, answer_sentence, generate_items
-from mmvsd.decoding.costs import timed, typical
+from mmvsd.decoding.cost_measure import timed, typical
 from mmvsd.lab.easy_vqa_items import easy_vqa_items
 from mmvsd.lab.lora import add_lora, lora_state, merge_lora
 from mmvsd.lab.plain_shapes import PLAIN_FAMILY, plain_shape_items

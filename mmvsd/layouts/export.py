@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from mmvsd.checkpoints import read_config
-from mmvsd.drafters import load_drafter
+from mmvsd.drafter_base import load_drafter
 from mmvsd.errors import UserError
 from mmvsd.files import atomic_dir
 from mmvsd.layouts.registry import layout, layouts_for

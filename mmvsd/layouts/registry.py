@@ -1,5 +1,5 @@
-"""The checkpoint-layout registry: every layout by name (ours, `hf`, and the built-in drafters' from
-`drafters/*_layout.py`), recognising a folder's layout, and loading through a layout with a hint when a
+"""The checkpoint-layout registry: every layout by name (ours, `hf`, and those the plugins register: the built-in
+drafters' from `drafters/*_layout.py`), recognising a folder's layout, and loading through a layout with a hint when a
 folder is in another. The interface is `mmvsd.layouts.base`; reading the folders is `mmvsd.checkpoints`;
 `--init` is `mmvsd.training.drafter_init`; `mmvsd export` is `mmvsd.layouts.export`.
 """
@@ -10,12 +10,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mmvsd.checkpoints import CONFIG_FILE, read_config, read_keys
-from mmvsd.drafter_base import Drafter
-from mmvsd.drafters import load_drafter
-from mmvsd.drafters.eagle1_layout import MSDLayout, ViSpecLayout
-from mmvsd.drafters.eagle3_layout import Eagle3Layout, SpeculatorsLayout
+from mmvsd.drafter_base import Drafter, load_drafter
 from mmvsd.errors import UserError
 from mmvsd.layouts.base import Layout, NotThisLayout
+from mmvsd.plugins import load_plugins
 
 if TYPE_CHECKING:
     from mmvsd.target import Target
@@ -50,14 +48,15 @@ def register_layout(layout: Layout) -> Layout:
 
 
 def layout_names() -> list[str]:
-    """Names of all registered layouts (the built-in drafters' layouts included)."""
+    """Names of all registered layouts (the plugins' included)."""
+    load_plugins()
     return sorted(LAYOUTS)
 
 
 def layout(name: str) -> Layout:
     """The registered layout called `name` (clear error listing the known ones)."""
     names = layout_names()
-    if name not in LAYOUTS:
+    if name not in names:
         raise UserError(f"unknown checkpoint layout {name!r}; registered: {', '.join(names)}")
     return LAYOUTS[name]
 
@@ -71,8 +70,7 @@ def identify_layout(config: dict, keys: set[str], exclude: tuple[str, ...] = ())
     return None
 
 
-for _builtin in (HFLayout(), Eagle3Layout(), SpeculatorsLayout(), MSDLayout(), ViSpecLayout()):
-    register_layout(_builtin)
+register_layout(HFLayout())
 
 
 def load_with(chosen: Layout, path: Path, target: Target) -> Drafter:

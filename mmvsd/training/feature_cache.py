@@ -109,13 +109,6 @@ def plan_feature_cache(
     return CachePlan(len(examples), num_tokens, num_shards, num_bytes)
 
 
-def estimate_cache_bytes(
-    target: Target, examples: Sequence, dtype: torch.dtype | str | None = None, shard_size: int = 256
-) -> int:
-    """Bytes the feature cache of `examples` will take on disk (features stored in `dtype`)."""
-    return plan_feature_cache(target, examples, dtype=dtype, shard_size=shard_size).num_bytes
-
-
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
 

@@ -26,13 +26,12 @@ import yaml
 from tqdm import tqdm
 
 from mmvsd.data.conversations import parse_dataset_spec
-from mmvsd.decoding.acceptance import TauMonitor
 from mmvsd.decoding.tree import TreeShape
-from mmvsd.drafter_base import Drafter
-from mmvsd.drafters import drafter_class
+from mmvsd.drafter_base import Drafter, drafter_class
 from mmvsd.errors import UserError
 from mmvsd.target import Target
 from mmvsd.target_loader import load_target
+from mmvsd.training.acceptance import TauMonitor
 from mmvsd.training.config import TrainConfig
 from mmvsd.training.dataset import ExampleSplit, data_specs, draft_vocab_from_counts, load_examples, token_frequencies
 from mmvsd.training.drafter_init import InitSource, resolve_init

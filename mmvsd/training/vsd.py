@@ -279,15 +279,3 @@ def topk_renormalised_kl(target_logits: Tensor, draft_logits: Tensor, k: int = 1
     target_top_logprobs = torch.log_softmax(target_logits.detach().float().gather(-1, top_ids), dim=-1)
     draft_top_logprobs = torch.log_softmax(draft_logits.float().gather(-1, top_ids), dim=-1)
     return (target_top_logprobs.exp() * (target_top_logprobs - draft_top_logprobs)).sum(-1)
-
-
-def expected_accepted_length(target_step_probs: Tensor, draft_step_probs: Tensor) -> Tensor:
-    """Exact eq. EA_def for context-free drafts: A(q) = E_{z~q}[sum_{k=1}^L S_k(x, z)].
-
-    When every step's distributions do not depend on the earlier tokens, the tokens of z ~ q are
-    independent, so E_q[S_k] = prod_{i<=k} E_{z_i~q_i}[min(1, p_i/q_i)] = prod_{i<=k} sum_v min(p_i, q_i).
-    target_step_probs [..., L, V]: p_theta(. | step i);  draft_step_probs [..., L, V]: q_psi(. | step i)
-    returns [...]
-    """
-    step_accept = torch.minimum(target_step_probs, draft_step_probs).sum(-1)  # [..., L] E[alpha_i]
-    return step_accept.cumprod(-1).sum(-1)

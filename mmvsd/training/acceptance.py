@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,18 +27,16 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from mmvsd.adapter_base import Prompt, padded_embeds, span_ids
+from mmvsd.adapter_base import padded_embeds, span_ids
 from mmvsd.decoding.decode import DecodeConfig, PromptLike, as_prompts, vanilla_generate
 from mmvsd.decoding.draft_session import DraftSession
+from mmvsd.decoding.proposer import Proposer
 from mmvsd.decoding.tree import DraftTree, ShapePlan, TreeShape, build_dynamic_tree
 from mmvsd.decoding.verify import verify_greedy_choices
 from mmvsd.drafter_base import Drafter, DraftInputs, PairMedia, target_to_draft_ids
 from mmvsd.errors import UserError
-from mmvsd.eval.media_writer import MediaWriter
-from mmvsd.eval.mllm_suite import MINI_NAMES, REAL_TASKS
-from mmvsd.eval.suites import TEXT_BENCHMARKS, load_items
 from mmvsd.files import atomic_file, cache_root
-from mmvsd.prompts import read_prompt_file
+from mmvsd.prompts import load_eval_prompts
 from mmvsd.shipped import target_checksum
 from mmvsd.target import Target
 from mmvsd.training.features import TokenBatch, capture_features
@@ -187,7 +184,7 @@ def check_eval_prompts(target: Target, prompts: list[PromptLike], max_new_tokens
 
 @torch.no_grad()
 def evaluate_acceptance(
-    target: Target, drafter: Drafter, prompts: list[PromptLike], continuations: list[list[int]],
+    target: Target, drafter: Proposer, prompts: list[PromptLike], continuations: list[list[int]],
     shape: ShapePlan, batch_size: int = 8, tie_epsilon: float = TIE_EPSILON, progress: bool = False,
 ) -> AcceptanceReport:
     """Replay T = 0 tree decoding of `prompts` along their greedy `continuations`; tau and acceptance.
@@ -205,7 +202,7 @@ def evaluate_acceptance(
         drafter.check_media(len(prompt.spans))
     start = time.perf_counter()
     report = AcceptanceReport(shape, [], [0] * (shape.depth + 1), tie_epsilon=tie_epsilon,
-                              num_out_of_vocab=0 if isinstance(drafter, Drafter) else None)
+                              num_out_of_vocab=None if drafter.proposes_from_context else 0)
     chunks = range(0, len(prompts), batch_size)
     if progress:
         chunks = tqdm(chunks, desc="eval-drafter", unit="batch", dynamic_ncols=True)
@@ -243,7 +240,7 @@ def _evaluate_chunk(target, drafter, prompts, continuations, shape, tie_epsilon,
     report.prompts += _walk(drafter, replay, shape, report)
 
 
-def _capture(target: Target, drafter: Drafter, prompts, continuations) -> tuple[_Replay, Tensor, Tensor]:
+def _capture(target: Target, drafter: Proposer, prompts, continuations) -> tuple[_Replay, Tensor, Tensor]:
     """One batched causal target forward over prompt + continuation: features, argmax and top-2 margins."""
     device = target.device
     prompt_lens = torch.tensor([len(p.token_ids) for p in prompts], dtype=torch.long, device=device)
@@ -287,7 +284,7 @@ def draft_tree(roots: Tensor, session: DraftSession, shape: ShapePlan) -> DraftT
     return build_dynamic_tree(roots, session, shape)
 
 
-def _walk(drafter: Drafter, replay: _Replay, shape: ShapePlan, report: AcceptanceReport) -> list[PromptAcceptance]:
+def _walk(drafter: Proposer, replay: _Replay, shape: ShapePlan, report: AcceptanceReport) -> list[PromptAcceptance]:
     """Replay tree decoding along the continuations; rows finish independently (ragged caches)."""
     seq_ids, prompt_lens, cont_lens = replay.seq_ids, replay.prompt_lens, replay.cont_lens
     batch, width = seq_ids.shape
@@ -349,48 +346,6 @@ def _record_step(results, live: Tensor, root_index: Tensor, num_accepted: Tensor
 
 
 # ----------------------------------------------------------------------------- command line helpers
-
-
-def load_eval_prompts(target: Target, spec: str, limit: int = 0, adapter: str = "") -> list[Prompt]:
-    """The target's prompts of `spec` (first `limit`, 0: all): the texts of `load_eval_texts`, or an image
-    benchmark's first turns (an lmms-eval task, e.g. the offline `vqav2_val_mini_long`) with their images
-    through the modality adapter (`adapter`, or the first that can feed the target)."""
-    if Path(spec).exists() or spec in TEXT_BENCHMARKS or spec not in image_benchmarks():
-        return [Prompt(target.encode_prompt(text)) for text in load_eval_texts(spec, limit)]
-    if limit < 0:
-        raise UserError(f"--limit must be >= 0, got {limit}")
-    prompts = []
-    with tempfile.TemporaryDirectory(prefix="mmvsd-eval-") as folder:  # the adapter reads image files
-        media = MediaWriter(Path(folder), adapter)
-        for item in load_items(spec, limit):
-            feeder, paths = media.files(target, item)
-            prompts.append(feeder.encode(target, item.turns[0], paths))
-    if not prompts:
-        raise UserError(f"no prompts in {spec}")
-    return prompts
-
-
-def image_benchmarks() -> tuple[str, ...]:
-    """Benchmark names `load_eval_prompts` reads with images: the lmms-eval tasks and their offline minis."""
-    return (*REAL_TASKS, *MINI_NAMES)
-
-
-def load_eval_texts(spec: str, limit: int = 0) -> list[str]:
-    """Prompt texts of `spec`: a JSONL prompt file (`prompt` or MT-Bench `turns`), or a built-in text
-    benchmark (mt_bench, humaneval, gsm8k: their first user turns); the first `limit` (0: all)."""
-    if limit < 0:
-        raise UserError(f"--limit must be >= 0, got {limit}")
-    if not Path(spec).exists() and spec in TEXT_BENCHMARKS:
-        texts = [item.turns[0] for item in load_items(spec, limit)]
-    elif not Path(spec).exists():
-        raise UserError(f"prompt file not found: {spec} (or name a built-in benchmark: "
-                        f"{', '.join((*TEXT_BENCHMARKS, *image_benchmarks()))})")
-    else:
-        texts = read_prompt_file(spec)
-        texts = texts[:limit] if limit > 0 else texts
-    if not texts:
-        raise UserError(f"no prompts in {spec}")
-    return texts
 
 
 def shape_text(shape: ShapePlan) -> str:

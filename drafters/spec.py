@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mmvsd.drafter_base import Drafter
-from mmvsd.drafters import drafter_class, load_drafter
+from mmvsd.drafter_base import Drafter, drafter_class, load_drafter
 from mmvsd.drafters.hybrid import with_ngram
 from mmvsd.drafters.ngram import NgramDrafter, parse_ngram_spec
 from mmvsd.errors import UserError

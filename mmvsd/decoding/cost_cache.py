@@ -1,0 +1,72 @@
+"""Cost tables cached per key under the mmvsd cache: measured once per machine, target, dtype and drafter."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import sys
+from pathlib import Path
+
+from mmvsd.decoding.cost_measure import measure_costs
+from mmvsd.decoding.costs import CostTable
+from mmvsd.decoding.fingerprints import cost_key
+from mmvsd.files import atomic_file, cache_root
+from mmvsd.target import Target
+
+logger = logging.getLogger(__name__)
+
+
+def profiles_dir() -> Path:
+    """Where cost tables are cached."""
+    return cache_root() / "profiles"
+
+
+def cost_table_path(key: dict[str, str]) -> Path:
+    """The cache file of a key: a readable prefix plus a hash of the whole key."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(key["target"]).name)[:40]
+    return profiles_dir() / f"{name}-{key['drafter']}-{digest}.json"
+
+
+def _read_cached(path: Path, key: dict[str, str]) -> CostTable | None:
+    """The cached table at `path` if it is whole and made for `key`; warns and returns None if corrupt."""
+    if not path.is_file():
+        return None
+    try:
+        table = CostTable.from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        logger.warning("mmvsd: cost profile %s is unreadable (%s: %s); measuring again", path,
+                        type(err).__name__, err)
+        return None
+    if table.key != key:
+        logger.warning("mmvsd: cost profile %s was measured for another machine, target or drafter; "
+                        "measuring again", path)
+        return None
+    return table
+
+
+def load_cost_table(
+    target: Target,
+    drafter=None,
+    batch_sizes: tuple[int, ...] = (1,),
+    *,
+    refresh: bool = False,
+    progress: bool = True,
+    context: int = 256,
+) -> CostTable:
+    """The cost table of this machine for (target, drafter, batch sizes): cached, measured on first use."""
+    batch_sizes = tuple(sorted(set(batch_sizes)))
+    key = cost_key(target, drafter, batch_sizes, context)
+    path = cost_table_path(key)
+    table = None if refresh else _read_cached(path, key)
+    if table is not None:
+        return table
+    if progress:
+        print(f"mmvsd: measuring the costs of {target.name} on this machine (once; cached in {path})",
+              file=sys.stderr, flush=True)
+    table = measure_costs(target, drafter, batch_sizes, context=context, progress=progress)
+    with atomic_file(path) as handle:
+        json.dump(table.to_json(), handle, indent=1)
+    return table
