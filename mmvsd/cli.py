@@ -307,7 +307,7 @@ def run_eval_drafter(args: argparse.Namespace) -> None:
     from mmvsd.prompts import load_eval_prompts  # CLI start-up: loaded per command
     from mmvsd.shipped import implicit_drafter_spec  # CLI start-up: loaded per command
     from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
-    from mmvsd.training import acceptance as evaluate  # CLI start-up: loaded per command
+    from mmvsd.training import acceptance  # CLI start-up: loaded per command
 
     shape = tree_from_args(args)
     spec = args.drafter or implicit_drafter_spec(args.target)
@@ -321,15 +321,15 @@ def run_eval_drafter(args: argparse.Namespace) -> None:
 
         shape = AutoShape(load_cost_table(target, drafter, batch_sizes=(1,)), AcceptanceStats())
     prompts = load_eval_prompts(target, args.prompt_file, args.limit, args.adapter)
-    evaluate.check_eval_prompts(target, prompts, args.max_new_tokens, shape)
+    acceptance.check_eval_prompts(target, prompts, args.max_new_tokens, shape)
     start = time.perf_counter()
-    make = evaluate.greedy_continuations if args.no_cache else evaluate.cached_greedy_continuations
+    make = acceptance.greedy_continuations if args.no_cache else acceptance.cached_greedy_continuations
     continuations = make(target, prompts, args.max_new_tokens, args.batch_size or 8)
     print(f"greedy continuations: {len(prompts)} prompts, {time.perf_counter() - start:.1f} s", flush=True)
     learns = drafter.proposes_from_context or not isinstance(shape, TreeShape)  # statistics shared by a batch
     batch_size = args.batch_size or (1 if learns else 8)
-    report = evaluate.evaluate_acceptance(target, drafter, prompts, continuations, shape, batch_size, progress=True)
-    print(evaluate.format_report(report))
+    report = acceptance.evaluate_acceptance(target, drafter, prompts, continuations, shape, batch_size, progress=True)
+    print(acceptance.format_report(report))
     if args.json:
         with atomic_file(args.json) as handle:
             json.dump({"target": args.target, "drafter": spec, "prompt_file": args.prompt_file, "limit": args.limit,
