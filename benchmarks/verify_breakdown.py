@@ -1,0 +1,150 @@
+"""Where one verify step's time goes on this machine: a target forward over N tree tokens plus the cache commit,
+measured with the torch profiler and split into GEMMs, attention, masks and positions, cache writes, the LM
+head, other operators and what no operator accounts for (Python and dispatch).
+
+The step is decoding's own (`Target.forward` over a bushy tree of N nodes on a cache of `--context` committed
+tokens, then `RaggedCache.keep` of a 4-node path), warmed up, then profiled over `--steps` steps per N.
+
+    python benchmarks/verify_breakdown.py [--target smollm2-135m] [--tokens 1,4,16,64] [--steps 20] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from contextlib import contextmanager
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from mmvsd.decoding.kv import RaggedCache, sequence_block
+from mmvsd.decoding.tree import DraftTree
+from mmvsd.target import Target
+from mmvsd.target_loader import load_target
+
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "mkldnn", "onednn")
+ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "aten::_efficient_attention", "aten::softmax")
+SECTIONS = ("mask+positions", "keep", "lm_head")  # our own code paths, labelled with record_function
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--tokens", default="1,4,16,64", help="tree sizes N to break down")
+    p.add_argument("--context", type=int, default=256, help="committed tokens in the cache")
+    p.add_argument("--steps", type=int, default=20, help="profiled steps per N (after 5 warm-up steps)")
+    p.add_argument("--json", help="also write the table here")
+    return p.parse_args()
+
+
+def heap_tree(num_nodes: int, vocab_size: int) -> DraftTree:
+    """A bushy tree of `num_nodes` nodes, node i's parent (i-1)//2, as the cost profile measures."""
+    parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, num_nodes)])
+    depths = torch.zeros(num_nodes, dtype=torch.long)
+    for i in range(1, num_nodes):
+        depths[i] = depths[parents[i]] + 1
+    ids = torch.arange(num_nodes) * 7 % min(vocab_size, 1000)
+    return DraftTree(ids[None], parents[None], depths[None], torch.zeros(1, num_nodes))
+
+
+@contextmanager
+def labelled(cls, name: str, label: str):
+    """Wrap `cls.name` in a profiler label for the duration."""
+    original = getattr(cls, name)
+
+    def wrapper(*args, **kwargs):
+        with record_function(label):
+            return original(*args, **kwargs)
+
+    setattr(cls, name, wrapper)
+    try:
+        yield
+    finally:
+        setattr(cls, name, original)
+
+
+def verify_step(target: Target, cache: RaggedCache, tree: DraftTree, lens: torch.Tensor) -> None:
+    target.forward(cache, tree.token_ids, tree.depths, tree.ancestor_mask())
+    path = tree.path_to(torch.tensor([tree.num_nodes - 1]))[:, :4]
+    cache.keep(path.clamp(min=0), (path >= 0).sum(1))
+    cache.rewind(lens)
+
+
+def breakdown(target: Target, num_nodes: int, context: int, steps: int) -> dict[str, float]:
+    """Milliseconds per step by category (self CPU time of the operators, and the unaccounted rest)."""
+    cache = target.new_cache(1)
+    depths, causal = sequence_block(1, context, target.device)
+    ids = torch.randint(0, min(target.vocab_size, 1000), (1, context), generator=torch.Generator().manual_seed(0))
+    target.forward(cache, ids, depths, causal, need_aux=False, logit_positions=torch.tensor([[context - 1]]))
+    lens = torch.full((1,), context)
+    cache.keep(depths, lens)
+    tree = heap_tree(num_nodes, target.vocab_size)
+    tree.ancestor_mask()  # the tree builder computes it in decoding, not the verify step
+    for _ in range(5):
+        verify_step(target, cache, tree, lens)
+    with labelled(RaggedCache, "attention_mask", "mask+positions"), labelled(RaggedCache, "positions",
+                                                                            "mask+positions"), \
+            labelled(RaggedCache, "keep", "keep"), labelled(Target, "logits", "lm_head"), \
+            profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            verify_step(target, cache, tree, lens)
+        wall = time.perf_counter() - start
+    return summarise(prof.events(), wall, steps)
+
+
+def summarise(events, wall: float, steps: int) -> dict[str, float]:
+    """Split self CPU time: our labelled sections first (everything under them), then operators by kind."""
+    totals = dict.fromkeys(("gemm", "attention", *SECTIONS, "other ops"), 0.0)
+    for event in events:
+        inside = next((s for s in SECTIONS if _under(event, s)), None)
+        if event.name in SECTIONS:
+            continue
+        seconds = event.self_cpu_time_total / 1e6
+        if inside is not None:
+            totals[inside] += seconds
+        elif any(op in event.name for op in GEMM_OPS):
+            totals["gemm"] += seconds
+        elif any(op in event.name for op in ATTENTION_OPS):
+            totals["attention"] += seconds
+        else:
+            totals["other ops"] += seconds
+    row = {name: 1e3 * value / steps for name, value in totals.items()}
+    row["wall"] = 1e3 * wall / steps
+    row["unaccounted (python, dispatch)"] = row["wall"] - sum(row[name] for name in totals)
+    return row
+
+
+def _under(event, label: str) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == label:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def main() -> None:
+    args = parse_args()
+    torch.manual_seed(0)
+    target = load_target(args.target)
+    sizes = [int(n) for n in args.tokens.split(",")]
+    rows = {n: breakdown(target, n, args.context, args.steps) for n in sizes}
+    columns = ["wall", "gemm", "attention", "mask+positions", "keep", "lm_head", "other ops",
+               "unaccounted (python, dispatch)"]
+    print(f"{target.name} ({target.dtype}), {torch.get_num_threads()} threads, cache of {args.context} tokens, "
+          f"ms per verify step (median-free mean of {args.steps}); profiler overhead included")
+    print("| N | " + " | ".join(columns) + " | x N=1 |")
+    print("|---" * (len(columns) + 2) + "|")
+    for n, row in rows.items():
+        cells = " | ".join(f"{row[c]:.2f}" for c in columns)
+        print(f"| {n} | {cells} | {row['wall'] / rows[sizes[0]]['wall']:.2f} |")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump({"target": target.name, "dtype": str(target.dtype), "threads": torch.get_num_threads(),
+                       "context": args.context, "rows": rows}, handle, indent=1)
+
+
+if __name__ == "__main__":
+    main()
