@@ -2,8 +2,9 @@
 measured with the torch profiler and split into GEMMs, attention, masks and positions, cache writes, the LM
 head, other operators and what no operator accounts for (Python and dispatch).
 
-The step is decoding's own (`Target.forward` over a bushy tree of N nodes on a cache of `--context` committed
-tokens, then `RaggedCache.keep` of a 4-node path), warmed up, then profiled over `--steps` steps per N.
+The step is the cost profile's (`mmvsd.decoding.cost_measure.verify_step`: `Target.forward` over a bushy tree of N
+nodes on a cache of `--context` committed tokens, then `RaggedCache.keep` of a 4-node path), warmed up, then
+profiled over `--steps` steps per N.
 
     python benchmarks/verify_breakdown.py [--target smollm2-135m] [--tokens 1,4,16,64] [--steps 20] [--json OUT]
 """
@@ -18,7 +19,8 @@ from contextlib import contextmanager
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from mmvsd.decoding.kv import RaggedCache, sequence_block
+from mmvsd.decoding.cost_measure import heap_tree, prefilled_cache, verify_step
+from mmvsd.decoding.kv import RaggedCache
 from mmvsd.decoding.tree import DraftTree
 from mmvsd.target import Target
 from mmvsd.target_loader import load_target
@@ -38,16 +40,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def heap_tree(num_nodes: int, vocab_size: int) -> DraftTree:
-    """A bushy tree of `num_nodes` nodes, node i's parent (i-1)//2, as the cost profile measures."""
-    parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, num_nodes)])
-    depths = torch.zeros(num_nodes, dtype=torch.long)
-    for i in range(1, num_nodes):
-        depths[i] = depths[parents[i]] + 1
-    ids = torch.arange(num_nodes) * 7 % min(vocab_size, 1000)
-    return DraftTree(ids[None], parents[None], depths[None], torch.zeros(1, num_nodes))
-
-
 @contextmanager
 def labelled(cls, name: str, label: str):
     """Wrap `cls.name` in a profiler label for the duration."""
@@ -64,32 +56,27 @@ def labelled(cls, name: str, label: str):
         setattr(cls, name, original)
 
 
-def verify_step(target: Target, cache: RaggedCache, tree: DraftTree, lens: torch.Tensor) -> None:
-    target.forward(cache, tree.token_ids, tree.depths, tree.ancestor_mask())
-    path = tree.path_to(torch.tensor([tree.num_nodes - 1]))[:, :4]
-    cache.keep(path.clamp(min=0), (path >= 0).sum(1))
+def step(target: Target, cache: RaggedCache, tree: DraftTree, lens: torch.Tensor) -> None:
+    """The cost profile's verify step (no auxiliary states: a target alone), then back to `lens` tokens."""
+    verify_step(target, cache, tree, need_aux=False)
     cache.rewind(lens)
 
 
 def breakdown(target: Target, num_nodes: int, context: int, steps: int) -> dict[str, float]:
     """Milliseconds per step by category (self CPU time of the operators, and the unaccounted rest)."""
-    cache = target.new_cache(1)
-    depths, causal = sequence_block(1, context, target.device)
-    ids = torch.randint(0, min(target.vocab_size, 1000), (1, context), generator=torch.Generator().manual_seed(0))
-    target.forward(cache, ids, depths, causal, need_aux=False, logit_positions=torch.tensor([[context - 1]]))
-    lens = torch.full((1,), context)
-    cache.keep(depths, lens)
-    tree = heap_tree(num_nodes, target.vocab_size)
+    cache, _, _ = prefilled_cache(target, 1, context, need_aux=False)
+    lens = cache.lens.clone()
+    tree = heap_tree(num_nodes, 1, target.vocab_size, target.device)
     tree.ancestor_mask()  # the tree builder computes it in decoding, not the verify step
     for _ in range(5):
-        verify_step(target, cache, tree, lens)
+        step(target, cache, tree, lens)
     with labelled(RaggedCache, "attention_mask", "mask+positions"), labelled(RaggedCache, "positions",
                                                                             "mask+positions"), \
             labelled(RaggedCache, "keep", "keep"), labelled(Target, "logits", "lm_head"), \
             profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for _ in range(steps):
-            verify_step(target, cache, tree, lens)
+            step(target, cache, tree, lens)
         wall = time.perf_counter() - start
     return summarise(prof.events(), wall, steps)
 
@@ -98,9 +85,9 @@ def summarise(events, wall: float, steps: int) -> dict[str, float]:
     """Split self CPU time: our labelled sections first (everything under them), then operators by kind."""
     totals = dict.fromkeys(("gemm", "attention", *SECTIONS, "other ops"), 0.0)
     for event in events:
-        inside = next((s for s in SECTIONS if _under(event, s)), None)
         if event.name in SECTIONS:
             continue
+        inside = next((s for s in SECTIONS if _under(event, s)), None)
         seconds = event.self_cpu_time_total / 1e6
         if inside is not None:
             totals[inside] += seconds
@@ -134,7 +121,7 @@ def main() -> None:
     columns = ["wall", "gemm", "attention", "mask+positions", "keep", "lm_head", "other ops",
                "unaccounted (python, dispatch)"]
     print(f"{target.name} ({target.dtype}), {torch.get_num_threads()} threads, cache of {args.context} tokens, "
-          f"ms per verify step (median-free mean of {args.steps}); profiler overhead included")
+          f"ms per verify step (mean of {args.steps} steps); profiler overhead included")
     print("| N | " + " | ".join(columns) + " | x N=1 |")
     print("|---" * (len(columns) + 2) + "|")
     for n, row in rows.items():

@@ -52,7 +52,7 @@ def _token_ids(count: int, vocab_size: int, device: torch.device) -> Tensor:
     return torch.arange(count, device=device) * 7 % min(vocab_size, 1000)
 
 
-def _heap_tree(num_nodes: int, batch: int, vocab_size: int, device: torch.device) -> DraftTree:
+def heap_tree(num_nodes: int, batch: int, vocab_size: int, device: torch.device) -> DraftTree:
     """A bushy tree of `num_nodes` nodes (node i's parent is (i-1)//2), the same in every row."""
     parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, num_nodes)], device=device)
     depths = torch.zeros(num_nodes, dtype=torch.long, device=device)
@@ -63,7 +63,7 @@ def _heap_tree(num_nodes: int, batch: int, vocab_size: int, device: torch.device
     return DraftTree(*rows, torch.zeros(batch, num_nodes, device=device))
 
 
-def _prefill(target: Target, batch: int, context: int, need_aux: bool):
+def prefilled_cache(target: Target, batch: int, context: int, need_aux: bool):
     """A cache of `context` committed tokens per row (fixed pseudo-random ids) and the prefill output."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, min(target.vocab_size, 1000), (batch, context), generator=gen).to(target.device)
@@ -75,7 +75,7 @@ def _prefill(target: Target, batch: int, context: int, need_aux: bool):
     return cache, ids, out
 
 
-def _verify_step(target: Target, cache: RaggedCache, tree: DraftTree, need_aux: bool) -> None:
+def verify_step(target: Target, cache: RaggedCache, tree: DraftTree, need_aux: bool) -> None:
     """One verify step as decoding runs it: forward over the tree, keep a few accepted nodes."""
     target.forward(cache, tree.token_ids, tree.depths, tree.ancestor_mask(), need_aux=need_aux)
     last = torch.full((tree.token_ids.shape[0],), tree.num_nodes - 1, dtype=torch.long, device=cache.lens.device)
@@ -88,13 +88,13 @@ def _measure_target(target: Target, cache: RaggedCache, need_aux: bool, tokens: 
                     tick) -> tuple[float, ...]:
     """Typical seconds of a verify step per token count; rounds interleave the counts against drift."""
     lens = cache.lens.clone()
-    trees = {n: _heap_tree(n, cache.batch_size, target.vocab_size, target.device) for n in tokens}
+    trees = {n: heap_tree(n, cache.batch_size, target.vocab_size, target.device) for n in tokens}
     for tree in trees.values():
         tree.ancestor_mask()  # computed by the tree builder in decoding, not by the verify step
     samples: dict[int, list[float]] = {n: [] for n in tokens}
     for round_index in range(repeats + 1):  # round 0 warms up
         for n in tokens:
-            seconds = timed(target.device, lambda n=n: _verify_step(target, cache, trees[n], need_aux))
+            seconds = timed(target.device, lambda n=n: verify_step(target, cache, trees[n], need_aux))
             cache.rewind(lens)
             if round_index:
                 samples[n].append(seconds)
@@ -170,7 +170,7 @@ def measure_costs(
                desc=f"mmvsd: measuring costs of {target.name}", disable=not progress, file=sys.stderr, leave=False)
     target_seconds, draft_seconds, fixed_seconds = {}, {}, {}
     for batch in batch_sizes:
-        cache, ids, out = _prefill(target, batch, context, need_aux)
+        cache, ids, out = prefilled_cache(target, batch, context, need_aux)
         target_seconds[batch] = _measure_target(target, cache, need_aux, tuple(target_tokens), repeats, bar.update)
         draft_seconds[batch], fixed_seconds[batch] = (), 0.0
         if drafter is not None:
