@@ -18,7 +18,9 @@ from contextlib import contextmanager
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
+from transformers import AttentionInterface
 
+from mmvsd.decoding import engine
 from mmvsd.decoding.cost_measure import heap_tree, prefilled_cache, verify_step
 from mmvsd.decoding.kv import RaggedCache
 from mmvsd.decoding.tree import DraftTree
@@ -26,8 +28,9 @@ from mmvsd.target import Target
 from mmvsd.target_loader import load_target
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "mkldnn", "onednn")
+# the exact engine's float64 attention runs as matmuls under its own label, counted as attention
 ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "aten::_efficient_attention", "aten::softmax")
-SECTIONS = ("mask+positions", "keep", "lm_head")  # our own code paths, labelled with record_function
+SECTIONS = ("mask+positions", "keep", "lm_head", "attention")  # our own code paths, labelled with record_function
 
 
 def parse_args() -> argparse.Namespace:
@@ -36,6 +39,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tokens", default="1,4,16,64", help="tree sizes N to break down")
     p.add_argument("--context", type=int, default=256, help="committed tokens in the cache")
     p.add_argument("--steps", type=int, default=20, help="profiled steps per N (after 5 warm-up steps)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: with the exact engine where this CPU allows it, as `--dtype bf16` loads it")
     p.add_argument("--json", help="also write the table here")
     return p.parse_args()
 
@@ -56,6 +61,20 @@ def labelled(cls, name: str, label: str):
         setattr(cls, name, original)
 
 
+@contextmanager
+def labelled_attention():
+    """Label the exact engine's float64 attention (matmuls that would otherwise count as GEMMs)."""
+    def wrapper(*args, **kwargs):
+        with record_function("attention"):
+            return engine.exact_attention(*args, **kwargs)
+
+    AttentionInterface.register(engine.EXACT_ATTENTION, wrapper)
+    try:
+        yield
+    finally:
+        AttentionInterface.register(engine.EXACT_ATTENTION, engine.exact_attention)
+
+
 def step(target: Target, cache: RaggedCache, tree: DraftTree, lens: torch.Tensor) -> None:
     """The cost profile's verify step (no auxiliary states: a target alone), then back to `lens` tokens."""
     verify_step(target, cache, tree, need_aux=False)
@@ -73,6 +92,7 @@ def breakdown(target: Target, num_nodes: int, context: int, steps: int) -> dict[
     with labelled(RaggedCache, "attention_mask", "mask+positions"), labelled(RaggedCache, "positions",
                                                                             "mask+positions"), \
             labelled(RaggedCache, "keep", "keep"), labelled(Target, "logits", "lm_head"), \
+            labelled_attention(), \
             profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for _ in range(steps):
@@ -83,7 +103,7 @@ def breakdown(target: Target, num_nodes: int, context: int, steps: int) -> dict[
 
 def summarise(events, wall: float, steps: int) -> dict[str, float]:
     """Split self CPU time: our labelled sections first (everything under them), then operators by kind."""
-    totals = dict.fromkeys(("gemm", "attention", *SECTIONS, "other ops"), 0.0)
+    totals = dict.fromkeys(("gemm", *SECTIONS, "other ops"), 0.0)
     for event in events:
         if event.name in SECTIONS:
             continue
@@ -115,12 +135,12 @@ def _under(event, label: str) -> bool:
 def main() -> None:
     args = parse_args()
     torch.manual_seed(0)
-    target = load_target(args.target)
+    target = load_target(args.target, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     sizes = [int(n) for n in args.tokens.split(",")]
     rows = {n: breakdown(target, n, args.context, args.steps) for n in sizes}
     columns = ["wall", "gemm", "attention", "mask+positions", "keep", "lm_head", "other ops",
                "unaccounted (python, dispatch)"]
-    print(f"{target.name} ({target.dtype}), {torch.get_num_threads()} threads, cache of {args.context} tokens, "
+    print(f"{target.name} ({target.dtype}, {target.engine} engine), {torch.get_num_threads()} threads, cache of {args.context} tokens, "
           f"ms per verify step (mean of {args.steps} steps); profiler overhead included")
     print("| N | " + " | ".join(columns) + " | x N=1 |")
     print("|---" * (len(columns) + 2) + "|")

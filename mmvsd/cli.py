@@ -250,7 +250,7 @@ def run_generate(args: argparse.Namespace) -> None:
     check_ngram_options(args.drafter, args.ngram)
     target = load_target(args.target, *placement(args.device, args.dtype))
     drafter = drafter_from_spec(args.drafter, target, args.seed, ngram=args.ngram)
-    warning = half_precision_warning(target.dtype) if drafter is not None else None
+    warning = half_precision_warning(target) if drafter is not None else None
     if warning:
         print(warning, file=sys.stderr)
     torch.manual_seed(args.seed)

@@ -19,13 +19,13 @@ def add_placement_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto (default: the first CUDA GPU when there is one, else the CPU), cpu, cuda or cuda:N")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="precision of the target and the drafter (default auto: bf16 on a GPU, fp16 on one without "
-                        "bf16, fp32 on the CPU)")
+                        "bf16; on the CPU fp32 or bf16 with the exact engine, measured once per machine)")
 
 
 def placement(device: str = "auto", dtype: str = "auto"):
     """(torch dtype, device) to load a target with. auto device: the first CUDA GPU when there is one, else the
-    CPU. auto dtype: bf16 on a GPU that has it (fp16 on one that does not), fp32 on the CPU, where fp32 is the
-    reference and bf16 a choice to measure (fast on CPUs with AMX or AVX-512-bf16, slow elsewhere)."""
+    CPU. auto dtype: bf16 on a GPU that has it (fp16 on one that does not); None on the CPU, where `load_target`
+    measures fp32 against bf16 with the exact engine (fast on CPUs with AMX or AVX-512-bf16, slow elsewhere)."""
     import torch  # CLI start-up: torch only once a command loads a target
 
     if device == "auto":
@@ -39,16 +39,19 @@ def placement(device: str = "auto", dtype: str = "auto"):
         raise UserError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     if dtype == "auto":
         if kind == "cpu":
-            return torch.float32, device
+            return None, device
         return (torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16), device
     if dtype not in DTYPE_NAMES:
         raise UserError(f"dtype {dtype!r}: use {', '.join(DTYPE_CHOICES)} (or float32, bfloat16, float16)")
     return getattr(torch, DTYPE_NAMES[dtype]), device
 
 
-def half_precision_warning(dtype) -> str | None:
-    """What a user of speculative decoding should know about a half-precision target (None for fp32)."""
-    name = str(dtype).removeprefix("torch.")
+def half_precision_warning(target) -> str | None:
+    """What a user of speculative decoding should know about a half-precision target: None for fp32 and for
+    the exact engine, whose verify steps give the bits of one-token steps (`mmvsd.decoding.engine`)."""
+    if target.engine.startswith("exact"):
+        return None
+    name = str(target.dtype).removeprefix("torch.")
     spacing = {"bfloat16": "0.125", "float16": "0.016"}.get(name)  # between representable values near 20
     if spacing is None:
         return None

@@ -93,10 +93,21 @@ def builtin_targets() -> dict[str, BuiltinTarget]:
 
 
 
-def load_target(spec: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Target:
-    """Load a target from a built-in name, a local folder, a .gguf file or a cached HF model id."""
+def load_target(spec: str, dtype: torch.dtype | None = torch.float32, device: str = "cpu") -> Target:
+    """Load a target from a built-in name, a local folder, a .gguf file or a cached HF model id.
+
+    On the CPU, dtype None (`--dtype auto`) picks fp32 or bf16 with the exact engine by measurement, and a
+    half-precision target gets the exact engine where this CPU allows it (`mmvsd.decoding.engine`)."""
+    from mmvsd.decoding import engine  # the decoding layer: imported when a target loads
+
     folder = resolve_target_folder(spec)
-    return load_target_folder(folder, name=spec, dtype=dtype, device=device)
+    target = load_target_folder(folder, name=spec, dtype=torch.float32 if dtype is None else dtype, device=device)
+    if target.device.type != "cpu":
+        return target
+    if dtype is None:
+        return engine.choose_cpu_engine(target)
+    engine.use_exact_engine(target)
+    return target
 
 
 def resolve_target_folder(spec: str) -> Path:

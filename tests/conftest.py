@@ -34,6 +34,18 @@ def profiles_in_a_temporary_folder(tmp_path_factory):
     patch.undo()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def cpu_precision_stays_fp32():
+    """`--dtype auto` on the CPU measures fp32 against bf16 and keeps the faster; in tests it keeps fp32 on every
+    machine, so no test's outcome depends on this CPU (tests/test_engine.py injects timings to test the choice)."""
+    from mmvsd.decoding import engine
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(engine, "_measure_choice", lambda target: engine.EngineChoice("float32", 1, (1.0, 1.0), None))
+    yield
+    patch.undo()
+
+
 # Deprecations a library logs while calling itself, not for a call of ours: (words of the message, a file of the
 # library that is on the stack exactly when the library made the call).
 LIBRARY_INTERNAL_DEPRECATIONS = [

@@ -23,8 +23,8 @@ def one_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
 
 
-def test_auto_is_fp32_on_the_cpu_and_bf16_on_a_gpu(no_gpu):
-    assert placement() == (torch.float32, "cpu")
+def test_auto_is_measured_on_the_cpu_and_bf16_on_a_gpu(no_gpu):
+    assert placement() == (None, "cpu")  # load_target measures fp32 against bf16 with the exact engine
     assert placement("cpu", "bf16") == (torch.bfloat16, "cpu")
     assert placement("cpu", "float16") == (torch.float16, "cpu")  # the long names lmms-eval users write
 
@@ -53,6 +53,7 @@ def test_gpu_asked_for_where_there_is_none(no_gpu):
 
 def test_generate_loads_target_and_drafter_in_the_asked_precision(no_gpu, tmp_path, capsys, monkeypatch):
     import mmvsd.target_loader as loader
+    from mmvsd.decoding import engine
 
     seen = []
     real = loader.load_target
@@ -64,11 +65,15 @@ def test_generate_loads_target_and_drafter_in_the_asked_precision(no_gpu, tmp_pa
     monkeypatch.setattr(loader, "load_target", spy)
     tiny = save_tiny_target(tmp_path / "tiny")
     common = ["generate", "--target", str(tiny), "--prompt", "w1 w2 w3", "--max-new-tokens", "6"]
+    monkeypatch.setattr(engine, "exact_rows_for", lambda target: 1)  # a CPU whose bf16 kernels are not exact
     code, _, err = run_cli(capsys, *common, "--drafter", "random", "--dtype", "bf16")
     assert code == 0, err
     assert seen == [(torch.bfloat16, "cpu")]
     assert err.count("mmvsd: warning: with a bfloat16 target") == 1 and "--dtype fp32" in err
+    monkeypatch.setattr(engine, "exact_rows_for", lambda target: 8)  # one whose kernels are exact to 8 rows
+    code, _, err = run_cli(capsys, *common, "--drafter", "random", "--dtype", "bf16")
+    assert code == 0 and "warning" not in err
     code, _, err = run_cli(capsys, *common, "--drafter", "random")
-    assert code == 0 and "warning" not in err and seen[-1] == (torch.float32, "cpu")
+    assert code == 0 and "warning" not in err and seen[-1] == (None, "cpu")
     code, _, err = run_cli(capsys, *common, "--drafter", "none", "--device", "cuda")
     assert code == 2 and err.count("mmvsd: error:") == 1 and "sees no CUDA GPU" in err

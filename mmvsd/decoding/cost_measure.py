@@ -84,8 +84,8 @@ def verify_step(target: Target, cache: RaggedCache, tree: DraftTree, need_aux: b
     cache.keep(path.clamp(min=0), num_keep)
 
 
-def _measure_target(target: Target, cache: RaggedCache, need_aux: bool, tokens: tuple[int, ...], repeats: int,
-                    tick) -> tuple[float, ...]:
+def measure_verify_steps(target: Target, cache: RaggedCache, need_aux: bool, tokens: tuple[int, ...], repeats: int,
+                         tick=lambda: None) -> tuple[float, ...]:
     """Typical seconds of a verify step per token count; rounds interleave the counts against drift."""
     lens = cache.lens.clone()
     trees = {n: heap_tree(n, cache.batch_size, target.vocab_size, target.device) for n in tokens}
@@ -171,7 +171,7 @@ def measure_costs(
     target_seconds, draft_seconds, fixed_seconds = {}, {}, {}
     for batch in batch_sizes:
         cache, ids, out = prefilled_cache(target, batch, context, need_aux)
-        target_seconds[batch] = _measure_target(target, cache, need_aux, tuple(target_tokens), repeats, bar.update)
+        target_seconds[batch] = measure_verify_steps(target, cache, need_aux, tuple(target_tokens), repeats, bar.update)
         draft_seconds[batch], fixed_seconds[batch] = (), 0.0
         if drafter is not None:
             draft_seconds[batch], fixed_seconds[batch] = _measure_drafter(drafter, target, out, ids, widths,

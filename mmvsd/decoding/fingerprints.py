@@ -81,6 +81,7 @@ def cost_key(target: Target, drafter, batch_sizes: tuple[int, ...], context: int
         "target": target.name,
         "target_weights": target_fingerprint(target),
         "dtype": str(target.dtype).removeprefix("torch."),
+        "engine": target.engine,
         **drafter_fingerprint(drafter),
         "batch_sizes": ",".join(str(b) for b in sorted(set(batch_sizes))),
         "context": str(context),

@@ -1,0 +1,312 @@
+"""The exact CPU engine: half-precision targets whose verify steps compute, row for row, the very bits a
+one-token step computes, so tree decoding equals vanilla decoding token for token (not up to near-ties).
+
+A bf16 forward over N tokens normally differs from N one-token forwards in the last bits: the GEMM kernels
+pick other blockings for other row counts, and attention sums over caches of other lengths and slot orders.
+One flipped bf16 rounding anywhere grows into logits 0.5 apart, and half of SmolLM2's answers changed
+(measured: 8 of 15 prompts, `mmvsd bench --suite text --dtype bf16` before this engine). The engine removes
+both causes:
+
+- **attention accumulated in float64** (`exact_attention`): its rounding error, ~1e-16 relative, does not
+  reach the bf16 result, so a query's output does not depend on which other queries, cache slots or masked
+  entries share its call;
+- **linear layers run in row chunks** no larger than the bound under which this CPU's kernels give every row
+  the same bits whatever the row count (`RowChunkedLinear`), with oneDNN's prepacked weights where torch has
+  them (bf16 on a CPU with AMX or AVX-512-bf16 streams half the bytes of fp32, and its kernel costs the same
+  from 1 to 16 rows).
+
+The bound is measured, never assumed (`measure_exact_rows`): block forwards of 2..32 tokens against
+one-token forwards, bit for bit. With float32 targets the engine is not used (fp32 GEMMs differ between 1 and
+2 rows on the CPUs we measured; fp32 decoding stays equal to vanilla up to near-ties of the logits).
+
+`choose_cpu_engine` is what `--dtype auto` runs on a CPU: it times a 1- and a 16-token verify step in fp32 and
+in bf16 with the engine, and keeps bf16 where it is exact and no slower; the choice is cached per machine and
+target like the cost profile (`mmvsd.decoding.cost_cache`).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from mmvsd.decoding import cost_cache
+from mmvsd.decoding.cost_measure import measure_verify_steps, prefilled_cache
+from mmvsd.decoding.fingerprints import machine_fingerprint, target_fingerprint
+from mmvsd.decoding.kv import sequence_block
+from mmvsd.files import atomic_file
+from mmvsd.target import Target
+
+logger = logging.getLogger(__name__)
+
+EXACT_ATTENTION = "mmvsd_exact"
+ROW_CANDIDATES = (2, 3, 4, 5, 6, 8, 12, 16, 24, 32)  # verify-step sizes the bound is checked at
+HALF = (torch.bfloat16, torch.float16)
+QUERY_CHUNK = 256  # queries per float64 attention product (bounds a long prefill's memory)
+ENGINE_VERSION = "1"
+
+
+def exact_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                    scaling: float | None = None, dropout: float = 0.0, **kwargs) -> tuple[Tensor, None]:
+    """Scaled dot-product attention with products and sums in float64, rounded once to the query's dtype.
+
+    query [B, Hq, N, D]; key, value [B, Hkv, T, D] (grouped-query heads read in place); attention_mask: None
+    (causal, the N queries being the last N keys), bool [B, 1, N, T] (True = seen) or additive float (its
+    minimum = not seen, as mmvsd's and transformers' masks are). Returns [B, N, Hq, D] as transformers'
+    attention functions do."""
+    if dropout or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise ValueError("exact attention supports no dropout, softcap or attention sinks")
+    batch, heads, num_queries, head_dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    scale = head_dim ** -0.5 if scaling is None else scaling
+    keys_t = key.double().transpose(-1, -2)  # [B, Hkv, D, T]
+    values = value.double()  # [B, Hkv, T, D]
+    mask = _additive_mask(attention_mask, num_queries, length, query.device)  # [B|1, 1, 1, N, T]
+    chunks = []
+    for start in range(0, num_queries, QUERY_CHUNK):
+        stop = min(start + QUERY_CHUNK, num_queries)
+        n = stop - start
+        # a kv head's G query heads and n queries as the rows of one product (a broadcast one is 10x slower)
+        q = (query[:, :, start:stop].double() * scale).reshape(batch, kv_heads, groups * n, head_dim)
+        scores = torch.matmul(q, keys_t)  # [B, Hkv, G*n, T]
+        scores.view(batch, kv_heads, groups, n, length).add_(mask[..., start:stop, :])
+        chunks.append(torch.matmul(torch.softmax(scores, dim=-1), values).view(batch, heads, n, head_dim))
+    out = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=2)
+    return out.transpose(1, 2).to(query.dtype), None
+
+
+_last_mask: list = [None, None]  # (the mask every layer of one forward shares, its float64 form)
+
+
+def _additive_mask(mask: Tensor | None, num_queries: int, length: int, device: torch.device) -> Tensor:
+    """[B or 1, 1, 1, N, T] float64: 0 where a query sees a key, a large negative value (-inf or the mask
+    dtype's minimum, whose exponential is 0 either way) where not. Converted once per forward."""
+    if mask is not None and _last_mask[0] is mask:
+        return _last_mask[1]
+    if mask is None:  # causal: query i is key length - num_queries + i
+        query_pos = torch.arange(num_queries, device=device)[:, None] + (length - num_queries)
+        seen = torch.arange(length, device=device)[None, :] <= query_pos
+        additive = torch.zeros(seen.shape, dtype=torch.float64, device=device).masked_fill_(~seen, float("-inf"))
+        return additive[None, None, None]
+    if mask.dtype == torch.bool:
+        additive = torch.zeros(mask.shape, dtype=torch.float64, device=device).masked_fill_(~mask, float("-inf"))
+    else:
+        additive = mask.double()
+    _last_mask[:] = mask, additive[:, :, None]
+    return _last_mask[1]
+
+
+AttentionInterface.register(EXACT_ATTENTION, exact_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(EXACT_ATTENTION, sdpa_mask)
+
+
+def _packing_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class RowChunkedLinear(nn.Module):
+    """A linear layer computed `rows` rows at a time (so every row meets a kernel this CPU gives row-count-
+    independent bits), by oneDNN's prepacked kernel when `pack` (the plain weight is then not kept)."""
+
+    def __init__(self, linear: nn.Linear, rows: int, pack: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.rows = linear.in_features, linear.out_features, rows
+        self.bias = linear.bias
+        self.packed = None
+        if pack:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        else:
+            self.weight = linear.weight
+
+    def _rows(self, x: Tensor) -> Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.numel() <= self.rows * self.in_features:
+            return self._rows(x)
+        flat = x.reshape(-1, self.in_features)
+        out = torch.cat([self._rows(part) for part in flat.split(self.rows)])
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    """What `choose_cpu_engine` decided for one machine and target, and the timings it decided from."""
+
+    dtype: str  # "bfloat16" or "float32"
+    exact_rows: int  # the measured bound of the bf16 engine (1: not exact on this CPU)
+    fp32_ms: tuple[float, float]  # verify step of 1 and 16 tokens
+    bf16_ms: tuple[float, float] | None  # the same with the bf16 engine (None when it is not exact)
+
+    def describe(self) -> str:
+        fp32 = f"fp32 {self.fp32_ms[0]:.1f}/{self.fp32_ms[1]:.1f} ms"
+        if self.bf16_ms is None:
+            return f"{fp32}; bf16 is not exact here (bound {self.exact_rows})"
+        return f"{fp32}, exact bf16 {self.bf16_ms[0]:.1f}/{self.bf16_ms[1]:.1f} ms (1/16 tokens verified)"
+
+
+def install_exact_engine(target: Target, rows: int, pack: bool | None = None) -> None:
+    """Swap the target's linear layers for row-chunked ones (prepacked where `pack`, default: bf16 with oneDNN)
+    and its attention for `exact_attention`; on a target that has them, set the chunks' rows. Half-precision
+    CPU targets only; rows >= 1 (1 is exact on any CPU, and slow)."""
+    if target.device.type != "cpu" or target.dtype not in HALF:
+        raise ValueError(f"the exact engine is for half-precision CPU targets, not {target.dtype} on {target.device}")
+    pack = _packing_available() and target.dtype == torch.bfloat16 if pack is None else pack
+    head = target.model.get_output_embeddings()
+    for module in list(target.model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, RowChunkedLinear):
+                child.rows = rows
+            elif isinstance(child, nn.Linear):  # the LM head keeps its (maybe tied) weight unpacked
+                setattr(module, name, RowChunkedLinear(child, rows, pack and child is not head))
+    target.model.config.get_text_config(decoder=True)._attn_implementation = EXACT_ATTENTION
+    packed = any(isinstance(m, RowChunkedLinear) and m.packed is not None for m in target.model.modules())
+    target.engine = f"exact-rows{rows}{'-packed' if packed else ''}"
+
+
+def _chain_logits(target: Target, cache, ids: Tensor, one_at_a_time: bool) -> Tensor:
+    """Logits [1, N, V] of `ids` [1, N] appended to `cache` as one block or one token per forward."""
+    lens = cache.lens.clone()
+    if not one_at_a_time:
+        depths, causal = sequence_block(1, ids.shape[1], target.device)
+        logits = target.forward(cache, ids, depths, causal, need_aux=False).logits
+    else:
+        depths, causal = sequence_block(1, 1, target.device)
+        steps = []
+        for i in range(ids.shape[1]):
+            steps.append(target.forward(cache, ids[:, i : i + 1], depths, causal, need_aux=False).logits)
+            cache.keep(torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long))
+        logits = torch.cat(steps, dim=1)
+    cache.rewind(lens)
+    return logits
+
+
+@torch.no_grad()
+def measure_exact_rows(target: Target, context: int = 64, candidates: tuple[int, ...] = ROW_CANDIDATES) -> int:
+    """The largest row count n in `candidates` such that block forwards of every candidate <= n tokens give the
+    bits of one-token forwards (logits compared exactly); 1 when even 2 rows differ. The target's linears run
+    unchunked up to max(candidates) rows while it measures."""
+    chunked = [m for m in target.model.modules() if isinstance(m, RowChunkedLinear)]
+    saved = [m.rows for m in chunked]
+    for module in chunked:
+        module.rows = max(candidates)
+    try:
+        cache, _, _ = prefilled_cache(target, 1, context, need_aux=False)
+        ids = (torch.arange(max(candidates), device=target.device)[None] * 13 + 5) % min(target.vocab_size, 1000)
+        reference = _chain_logits(target, cache, ids, one_at_a_time=True)
+        bound = 1
+        for n in sorted(candidates):
+            if not torch.equal(_chain_logits(target, cache, ids[:, :n], one_at_a_time=False), reference[:, :n]):
+                break
+            bound = n
+    finally:
+        for module, rows in zip(chunked, saved):
+            module.rows = rows
+    return bound
+
+
+def _verify_ms(target: Target, sizes: tuple[int, ...] = (1, 16), repeats: int = 7) -> tuple[float, ...]:
+    """Typical milliseconds of a verify step of each size (the cost profile's own step, 256-token cache)."""
+    cache, _, _ = prefilled_cache(target, 1, 256, need_aux=False)
+    return tuple(1e3 * s for s in measure_verify_steps(target, cache, False, sizes, repeats))
+
+
+def exact_rows_for(target: Target) -> int:
+    """The measured exact bound of this half-precision CPU target (cached per machine and target)."""
+    key = _key(target, "exact_rows")
+    cached = _read(key)
+    if cached is not None:
+        return int(cached["exact_rows"])
+    probe = Target(copy.deepcopy(target.model), None, target.name, target.aux_layer_ids)  # packing is one-way
+    install_exact_engine(probe, rows=max(ROW_CANDIDATES))
+    rows = measure_exact_rows(probe)
+    _write(key, {"exact_rows": rows})
+    return rows
+
+
+def use_exact_engine(target: Target) -> bool:
+    """Install the exact engine on a half-precision CPU target where this CPU allows it (bound >= 2); False
+    (stock kernels, equal to vanilla up to near-ties) where it does not."""
+    if target.device.type != "cpu" or target.dtype not in HALF:
+        return False
+    rows = exact_rows_for(target)
+    if rows < 2:
+        return False
+    install_exact_engine(target, rows)
+    return True
+
+
+@torch.no_grad()
+def choose_cpu_engine(target: Target, progress: bool = True) -> Target:
+    """`--dtype auto` on a CPU: the fp32 `target` itself, or a bf16 copy with the exact engine where that is
+    exact (bound >= 4) and measured no slower at 1 token and faster at 16; decided once per machine and target."""
+    key = _key(target, "cpu_engine")
+    cached = _read(key)
+    if cached is not None:
+        choice = EngineChoice(cached["dtype"], cached["exact_rows"], tuple(cached["fp32_ms"]),
+                              tuple(cached["bf16_ms"]) if cached["bf16_ms"] else None)
+    else:
+        if progress:
+            logger.warning("mmvsd: choosing the CPU precision of %s on this machine (once)", target.name)
+        choice = _measure_choice(target)
+        _write(key, {"dtype": choice.dtype, "exact_rows": choice.exact_rows, "fp32_ms": list(choice.fp32_ms),
+                     "bf16_ms": list(choice.bf16_ms) if choice.bf16_ms else None})
+    if choice.dtype == "float32":
+        return target
+    half = _bf16_copy(target)
+    install_exact_engine(half, choice.exact_rows)
+    return half
+
+
+def _bf16_copy(target: Target) -> Target:
+    model = copy.deepcopy(target.model).to(torch.bfloat16)
+    return Target(model, target.tokenizer, target.name, target.aux_layer_ids, target.processor)
+
+
+def _measure_choice(target: Target) -> EngineChoice:
+    fp32_ms = _verify_ms(target)
+    half = _bf16_copy(target)
+    install_exact_engine(half, rows=max(ROW_CANDIDATES))
+    rows = measure_exact_rows(half)
+    if rows < 4:
+        return EngineChoice("float32", rows, fp32_ms, None)
+    install_exact_engine(half, rows)
+    bf16_ms = _verify_ms(half)
+    del half
+    faster = bf16_ms[0] <= 1.02 * fp32_ms[0] and bf16_ms[1] < fp32_ms[1]
+    return EngineChoice("bfloat16" if faster else "float32", rows, fp32_ms, bf16_ms)
+
+
+def _key(target: Target, what: str) -> dict[str, str]:
+    return {"what": what, "version": ENGINE_VERSION, **machine_fingerprint(target.device), "target": target.name,
+            "target_weights": target_fingerprint(target), "dtype": str(target.dtype).removeprefix("torch.")}
+
+
+def engine_path(key: dict[str, str]):
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return cost_cache.profiles_dir() / f"engine-{key['what']}-{digest}.json"
+
+
+def _read(key: dict[str, str]) -> dict | None:
+    path = engine_path(key)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("key") == key else None
+
+
+def _write(key: dict[str, str], values: dict) -> None:
+    with atomic_file(engine_path(key)) as handle:
+        json.dump({"key": key, **values}, handle, indent=1)

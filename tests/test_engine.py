@@ -1,0 +1,173 @@
+"""The exact CPU engine: float64 attention, row-chunked linears, the measured bound and the precision choice.
+
+No test depends on this CPU's kernels: where a kernel's row-count dependence matters, a kernel that gives other
+bits for other row counts is injected, and the bound 1 (every linear one row at a time) is exact on any CPU."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import PROMPT_POOL, make_tiny_llama, random_prompts
+from mmvsd.decoding import engine
+from mmvsd.decoding.decode import DecodeConfig, speculative_generate, vanilla_generate
+from mmvsd.decoding.tree import TreeShape
+from mmvsd.placement import half_precision_warning
+from mmvsd.target import Target
+
+MEASURE_CHOICE = engine._measure_choice  # the real one, taken before conftest's session fixture replaces it
+
+
+def direct_attention(query, key, value, seen):
+    """Attention computed the plain way in float64 (GQA heads repeated), rounded to the query's dtype."""
+    groups = query.shape[1] // key.shape[1]
+    k = key.double().repeat_interleave(groups, 1)
+    v = value.double().repeat_interleave(groups, 1)
+    scores = query.double() @ k.transpose(-1, -2) / query.shape[-1] ** 0.5
+    scores = scores.masked_fill(~seen, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(1, 2).to(query.dtype)
+
+
+@pytest.mark.parametrize("form", ["bool", "additive", "causal"])
+def test_exact_attention_is_float64_attention(form):
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 6, 5, 16, generator=gen).bfloat16()
+    key, value = (torch.randn(2, 3, 12, 16, generator=gen).bfloat16() for _ in range(2))
+    seen = torch.rand(2, 1, 5, 12, generator=gen) < 0.7
+    seen[..., 0] = True
+    if form == "causal":
+        seen = torch.ones(5, 12, dtype=torch.bool).tril(diagonal=12 - 5)[None, None].expand(2, 1, 5, 12)
+        mask = None
+    elif form == "bool":
+        mask = seen
+    else:
+        mask = torch.zeros(seen.shape, dtype=torch.bfloat16).masked_fill(~seen, torch.finfo(torch.bfloat16).min)
+    out, weights = engine.exact_attention(None, query, key, value, mask)
+    assert weights is None and out.dtype == torch.bfloat16 and out.shape == (2, 5, 6, 16)
+    assert torch.equal(out, direct_attention(query, key, value, seen))
+
+
+def test_a_querys_attention_does_not_depend_on_its_company():
+    """One query alone over its own keys gives the very bits it gets among other queries, with masked keys
+    between and after its own (a tree's block) and a longer cache."""
+    gen = torch.Generator().manual_seed(1)
+    query = torch.randn(1, 4, 9, 32, generator=gen).bfloat16()
+    key, value = (torch.randn(1, 2, 40, 32, generator=gen).bfloat16() for _ in range(2))
+    seen = torch.rand(1, 1, 9, 40, generator=gen) < 0.5
+    seen[..., 0] = True
+    together, _ = engine.exact_attention(None, query, key, value, seen)
+    for i in range(9):
+        own = seen[0, 0, i].nonzero().flatten()  # the keys query i sees, packed in order, no masked ones
+        alone, _ = engine.exact_attention(None, query[:, :, i : i + 1], key[:, :, own], value[:, :, own], None)
+        assert torch.equal(alone[:, 0], together[:, i])
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_row_chunked_linear_computes_the_linear_in_chunks(pack, monkeypatch):
+    if pack and not engine._packing_available():
+        pytest.skip("this torch has no oneDNN linear")
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(16, 24).bfloat16()
+    chunked = engine.RowChunkedLinear(linear, rows=4, pack=pack)
+    calls = []
+    real = engine.RowChunkedLinear._rows
+    monkeypatch.setattr(engine.RowChunkedLinear, "_rows", lambda self, x: calls.append(x.numel() // 16) or real(self, x))
+    x = torch.randn(2, 5, 16).bfloat16()
+    out = chunked(x)
+    assert out.shape == (2, 5, 24) and calls == [4, 4, 2]
+    assert torch.allclose(out.float(), F.linear(x, linear.weight, linear.bias).float(), atol=0.05)
+    assert hasattr(chunked, "weight") != pack  # a packed layer keeps no second copy of the weight
+
+
+def bf16_target(seed: int = 0) -> Target:
+    return Target(make_tiny_llama(seed).to(torch.bfloat16), None, "tiny-llama-bf16")
+
+
+def inject_row_dependent_kernel(monkeypatch, above: int, strength: float = 0.02):
+    """Linears whose results change with the number of rows in a call beyond `above`: what a CPU kernel that
+    picks another blocking for more rows does, exaggerated."""
+    real = engine.RowChunkedLinear._rows
+
+    def kernel(self, x):
+        out = real(self, x)
+        rows = x.numel() // self.in_features
+        return out * (1 + strength * (rows - above)) if rows > above else out
+
+    monkeypatch.setattr(engine.RowChunkedLinear, "_rows", kernel)
+
+
+@pytest.mark.parametrize("above,expected", [(1, 1), (5, 5), (12, 12), (100, 32)])
+def test_the_bound_is_where_the_kernel_stops_giving_the_same_bits(monkeypatch, above, expected):
+    inject_row_dependent_kernel(monkeypatch, above)
+    target = bf16_target()
+    engine.install_exact_engine(target, rows=max(engine.ROW_CANDIDATES), pack=False)
+    assert engine.measure_exact_rows(target, context=12) == expected
+
+
+def test_the_measured_bound_makes_bf16_decoding_equal_vanilla(monkeypatch, fitted_drafter):
+    """With a kernel that changes results beyond 2 rows, speculative decoding with unchunked linears differs from
+    vanilla; chunked at the measured bound it equals vanilla token for token (batch 1 and 3)."""
+    inject_row_dependent_kernel(monkeypatch, above=2, strength=0.05)
+    target = bf16_target()
+    drafter = copy.deepcopy(fitted_drafter).to(torch.bfloat16)
+    engine.install_exact_engine(target, rows=64, pack=False)
+    prompts = PROMPT_POOL[:1] + random_prompts(3, seed=11)
+    config = DecodeConfig(max_new_tokens=32, tree=TreeShape(budget=16, depth=4, topk=4))
+
+    def outputs(generate, *args):
+        return [r.output_ids for r in generate(target, *args, prompts, config)]
+
+    unchunked_differs = outputs(speculative_generate, drafter) != outputs(vanilla_generate)
+    bound = engine.measure_exact_rows(target, context=12)
+    assert bound == 2
+    engine.install_exact_engine(target, rows=bound)
+    spec = speculative_generate(target, drafter, prompts, config)
+    assert [r.output_ids for r in spec] == outputs(vanilla_generate)
+    batched = speculative_generate(target, drafter, prompts[1:], config)
+    assert [r.output_ids for r in batched] == outputs(vanilla_generate)[1:]
+    assert unchunked_differs and max(max(r.accept_lengths) for r in spec) >= 3
+    assert target.engine == "exact-rows2" and half_precision_warning(target) is None
+
+
+def test_the_engine_is_for_half_precision_cpu_targets(tiny_target):
+    with pytest.raises(ValueError, match="half-precision CPU targets"):
+        engine.install_exact_engine(tiny_target, rows=4)
+    assert engine.use_exact_engine(tiny_target) is False and tiny_target.engine == "stock"
+
+
+def test_use_exact_engine_where_the_cpu_allows_it(monkeypatch):
+    monkeypatch.setattr(engine, "measure_exact_rows", lambda target: 1)
+    stock = bf16_target(seed=1)
+    assert engine.use_exact_engine(stock) is False and stock.engine == "stock"
+    assert "near-ties" in half_precision_warning(stock)
+    monkeypatch.setattr(engine, "measure_exact_rows", lambda target: pytest.fail("measured twice"))
+    assert engine.use_exact_engine(bf16_target(seed=1)) is False  # the cached bound of this machine and target
+    monkeypatch.setattr(engine, "measure_exact_rows", lambda target: 16)
+    exact = bf16_target(seed=2)
+    assert engine.use_exact_engine(exact) is True and exact.engine.startswith("exact-rows16")
+
+
+@pytest.mark.parametrize("rows,bf16_ms,chosen", [
+    (32, (9.0, 11.0), torch.bfloat16),  # exact, as fast at one token, faster at 16
+    (32, (10.5, 11.0), torch.float32),  # slower at one token: vanilla would lose
+    (32, (9.0, 21.0), torch.float32),  # no faster at 16
+    (2, (5.0, 6.0), torch.float32),  # exact only to 2 rows
+])
+def test_auto_precision_on_the_cpu_is_chosen_by_measurement(monkeypatch, rows, bf16_ms, chosen):
+    timings = iter([(10.0, 20.0), bf16_ms])
+    monkeypatch.setattr(engine, "_verify_ms", lambda target: next(timings))
+    monkeypatch.setattr(engine, "measure_exact_rows", lambda target: rows)
+    monkeypatch.setattr(engine, "_measure_choice", MEASURE_CHOICE)  # conftest's stand-in keeps tests on fp32
+    fp32 = Target(make_tiny_llama(seed=3 + rows + int(bf16_ms[0] * 10 + bf16_ms[1])), None, "tiny-auto")
+    chosen_target = engine.choose_cpu_engine(fp32, progress=False)
+    assert chosen_target.dtype == chosen
+    if chosen == torch.bfloat16:
+        assert chosen_target is not fp32 and chosen_target.engine.startswith(f"exact-rows{rows}")
+        assert fp32.dtype == torch.float32  # the fp32 model is left as it was
+    else:
+        assert chosen_target is fp32 and fp32.engine == "stock"
+    monkeypatch.setattr(engine, "_verify_ms", lambda target: pytest.fail("measured twice"))
+    assert engine.choose_cpu_engine(fp32, progress=False).dtype == chosen  # cached per machine and target
