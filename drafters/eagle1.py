@@ -221,8 +221,11 @@ class Eagle1Drafter(Drafter):
                              f"({self.config.vocab_size} ids)")
 
     def draft_logits(self, hidden: Tensor) -> Tensor:
-        weight = self.lm_head.weight.detach()  # the target's, in its dtype (bf16 targets: bf16 logits)
-        return F.linear(hidden[..., : self.config.hidden_size].to(weight.dtype), weight)
+        head = self.lm_head  # the target's, in its dtype (bf16 targets: bf16 logits)
+        hidden = hidden[..., : self.config.hidden_size].to(head.weight.dtype)
+        if torch.is_grad_enabled():  # training: gradients reach the drafter's states, never the target's head
+            return F.linear(hidden, head.weight.detach())
+        return head(hidden)  # decoding: the head as the target runs it (the exact engine's packed kernel)
 
     def draft_logprobs(self, hidden: Tensor) -> Tensor:
         return torch.log_softmax(self.draft_logits(hidden).float(), dim=-1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mmvsd.decoding.engine import pack_for_cpu
 from mmvsd.drafter_base import Drafter, drafter_class, load_drafter
 from mmvsd.drafters.hybrid import with_ngram
 from mmvsd.drafters.ngram import NgramDrafter, parse_ngram_spec
@@ -41,7 +42,11 @@ def neural_drafter_from_spec(spec: str, target, seed: int = 0) -> Drafter | None
     if spec == "none":
         return None
     if spec == "random":
-        return drafter_class("eagle3").from_target(target, seed=seed).eval()
-    if spec == "default" or ("/" not in spec and not Path(spec).exists()):
-        return load_drafter(resolve_drafter(spec, target.name), target)
-    return load_drafter(spec, target)
+        drafter = drafter_class("eagle3").from_target(target, seed=seed).eval()
+    elif spec == "default" or ("/" not in spec and not Path(spec).exists()):
+        drafter = load_drafter(resolve_drafter(spec, target.name), target)
+    else:
+        drafter = load_drafter(spec, target)
+    if target.engine != "stock":  # a CPU target on the exact engine: its bf16 drafter on the packed kernels too
+        pack_for_cpu(drafter)
+    return drafter

@@ -129,7 +129,7 @@ def test_the_measured_bound_makes_bf16_decoding_equal_vanilla(monkeypatch, fitte
     batched = speculative_generate(target, drafter, prompts[1:], config)
     assert [r.output_ids for r in batched] == outputs(vanilla_generate)[1:]
     assert unchunked_differs and max(max(r.accept_lengths) for r in spec) >= 3
-    assert target.engine == "exact-rows2" and half_precision_warning(target) is None
+    assert target.engine == f"exact{engine.ENGINE_VERSION}-rows2" and half_precision_warning(target) is None
 
 
 def test_the_engine_is_for_half_precision_cpu_targets(tiny_target):
@@ -147,7 +147,7 @@ def test_use_exact_engine_where_the_cpu_allows_it(monkeypatch):
     assert engine.use_exact_engine(bf16_target(seed=1)) is False  # the cached bound of this machine and target
     monkeypatch.setattr(engine, "measure_exact_rows", lambda target: 16)
     exact = bf16_target(seed=2)
-    assert engine.use_exact_engine(exact) is True and exact.engine.startswith("exact-rows16")
+    assert engine.use_exact_engine(exact) is True and exact.engine.startswith(f"exact{engine.ENGINE_VERSION}-rows16")
 
 
 @pytest.mark.parametrize("rows,bf16_ms,chosen", [
@@ -165,9 +165,24 @@ def test_auto_precision_on_the_cpu_is_chosen_by_measurement(monkeypatch, rows, b
     chosen_target = engine.choose_cpu_engine(fp32, progress=False)
     assert chosen_target.dtype == chosen
     if chosen == torch.bfloat16:
-        assert chosen_target is not fp32 and chosen_target.engine.startswith(f"exact-rows{rows}")
+        assert chosen_target is not fp32 and chosen_target.engine.startswith(f"exact{engine.ENGINE_VERSION}-rows{rows}")
         assert fp32.dtype == torch.float32  # the fp32 model is left as it was
     else:
         assert chosen_target is fp32 and fp32.engine == "stock"
     monkeypatch.setattr(engine, "_verify_ms", lambda target: pytest.fail("measured twice"))
     assert engine.choose_cpu_engine(fp32, progress=False).dtype == chosen  # cached per machine and target
+
+
+def test_a_drafter_is_packed_for_speed_and_keeps_its_weights(random_drafter):
+    fp32 = copy.deepcopy(random_drafter)
+    assert engine.pack_for_cpu(fp32) is False  # fp32: nothing to pack
+    if not engine._packing_available():
+        pytest.skip("this torch has no oneDNN linear")
+    drafter = copy.deepcopy(random_drafter).to(torch.bfloat16)
+    linears = {name: m.weight for name, m in drafter.named_modules() if isinstance(m, torch.nn.Linear)}
+    x = torch.randn(3, drafter.fc.in_features).bfloat16()
+    before = drafter.fc(x)
+    assert engine.pack_for_cpu(drafter) is True
+    packed = {name: m for name, m in drafter.named_modules() if isinstance(m, engine.RowChunkedLinear)}
+    assert set(packed) == set(linears) and all(packed[n].weight is linears[n] for n in linears)
+    assert torch.allclose(drafter.fc(x).float(), before.float(), atol=0.05)

@@ -258,8 +258,8 @@ def _shape_plan(target: Target, drafter: Proposer, config: DecodeConfig, batch: 
         return config.tree, None
     if costs is None:
         costs = load_cost_table(target, drafter, batch_sizes=(batch,))
-    plan = AutoShape(costs, stats if stats is not None else AcceptanceStats())
-    return plan, StepChooser()
+    stats = stats if stats is not None else AcceptanceStats()
+    return AutoShape(costs, stats), stats.chooser()
 
 
 def _next_draft_inputs(tree_ids: Tensor, tree_features: Tensor, verdict) -> DraftInputs:

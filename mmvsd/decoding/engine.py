@@ -51,7 +51,7 @@ EXACT_ATTENTION = "mmvsd_exact"
 ROW_CANDIDATES = (2, 3, 4, 5, 6, 8, 12, 16, 24, 32)  # verify-step sizes the bound is checked at
 HALF = (torch.bfloat16, torch.float16)
 QUERY_CHUNK = 256  # queries per float64 attention product (bounds a long prefill's memory)
-ENGINE_VERSION = "1"
+ENGINE_VERSION = "2"  # in cached choices and, through `Target.engine`, in cost profiles
 
 
 def exact_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -117,14 +117,14 @@ class RowChunkedLinear(nn.Module):
     """A linear layer computed `rows` rows at a time (so every row meets a kernel this CPU gives row-count-
     independent bits), by oneDNN's prepacked kernel when `pack` (the plain weight is then not kept)."""
 
-    def __init__(self, linear: nn.Linear, rows: int, pack: bool) -> None:
+    def __init__(self, linear: nn.Linear, rows: int, pack: bool, keep_weight: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features, self.rows = linear.in_features, linear.out_features, rows
         self.bias = linear.bias
         self.packed = None
         if pack:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
-        else:
+        if not pack or keep_weight:
             self.weight = linear.weight
 
     def _rows(self, x: Tensor) -> Tensor:
@@ -168,11 +168,25 @@ def install_exact_engine(target: Target, rows: int, pack: bool | None = None) ->
         for name, child in list(module.named_children()):
             if isinstance(child, RowChunkedLinear):
                 child.rows = rows
-            elif isinstance(child, nn.Linear):  # the LM head keeps its (maybe tied) weight unpacked
-                setattr(module, name, RowChunkedLinear(child, rows, pack and child is not head))
+            elif isinstance(child, nn.Linear):  # the LM head keeps its (maybe tied) weight beside the packed one
+                setattr(module, name, RowChunkedLinear(child, rows, pack, keep_weight=child is head))
     target.model.config.get_text_config(decoder=True)._attn_implementation = EXACT_ATTENTION
     packed = any(isinstance(m, RowChunkedLinear) and m.packed is not None for m in target.model.modules())
-    target.engine = f"exact-rows{rows}{'-packed' if packed else ''}"
+    target.engine = f"exact{ENGINE_VERSION}-rows{rows}{'-packed' if packed else ''}"
+
+
+def pack_for_cpu(module: nn.Module) -> bool:
+    """Run a bf16 CPU module's linear layers on oneDNN's prepacked kernel (for speed alone: a drafter, whose
+    bits do not matter to losslessness), keeping their weights for code that reads them. False (nothing done)
+    where the module is not bf16 on the CPU or torch has no oneDNN linear. For inference only (no gradients)."""
+    weights = [p for p in module.parameters()]
+    if not weights or weights[0].device.type != "cpu" or weights[0].dtype != torch.bfloat16 or not _packing_available():
+        return False
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16:
+                setattr(parent, name, RowChunkedLinear(child, rows=1 << 30, pack=True, keep_weight=True))
+    return True
 
 
 def _chain_logits(target: Target, cache, ids: Tensor, one_at_a_time: bool) -> Tensor:

@@ -74,6 +74,7 @@ class AcceptanceStats:
         self.rank_accepted = torch.zeros(MAX_STAT_DEPTH, MAX_RANK, dtype=torch.float64)
         self.prior_weight = prior_weight
         self._light: AcceptanceStats | None = None
+        self._chooser: StepChooser | None = None
 
     def light(self) -> AcceptanceStats:
         """The statistics of n-gram-only trees, kept beside these (a caller carrying these from call
@@ -81,6 +82,13 @@ class AcceptanceStats:
         if self._light is None:
             self._light = AcceptanceStats(self.prior_weight)
         return self._light
+
+    def chooser(self) -> StepChooser:
+        """The choice of step kinds, carried with these statistics: its guards' measured rates go on from
+        one call to the next, so a short answer does not pay for probing the cheap kinds afresh."""
+        if self._chooser is None:
+            self._chooser = StepChooser()
+        return self._chooser
 
     def calibrated(self, cond_logprobs: Tensor) -> Tensor:
         """Estimated acceptance c (same shape) of nodes with these conditional draft log-probs."""
