@@ -106,7 +106,8 @@ def format_cost_table(table: CostTable) -> str:
     """The table as text: milliseconds per shape and batch size, and the ratio to a 1-token verify step."""
     key, batches = table.key, sorted(table.target_seconds)
     one = {b: table.target_step(1, b) or float("nan") for b in batches}
-    lines = [(f"costs of {key['target']} ({key['dtype']}) with drafter {key['drafter']} on {key['cpu']} "
+    engine = f", {key['engine']} engine" if key.get("engine", "stock") != "stock" else ""
+    lines = [(f"costs of {key['target']} ({key['dtype']}{engine}) with drafter {key['drafter']} on {key['cpu']} "
               f"[{key['device']}, {key['threads']} threads, torch {key['torch']}], cache of {table.context} tokens"),
              "verify step (Target.forward over N tree tokens + keep):",
              "  N     " + "".join(f"{f'B={b} ms':>10}{'x N=1':>7}" for b in batches)]

@@ -29,7 +29,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import logging
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -44,8 +44,6 @@ from mmvsd.decoding.fingerprints import machine_fingerprint, target_fingerprint
 from mmvsd.decoding.kv import sequence_block
 from mmvsd.files import atomic_file
 from mmvsd.target import Target
-
-logger = logging.getLogger(__name__)
 
 EXACT_ATTENTION = "mmvsd_exact"
 ROW_CANDIDATES = (2, 3, 4, 5, 6, 8, 12, 16, 24, 32)  # verify-step sizes the bound is checked at
@@ -272,8 +270,11 @@ def choose_cpu_engine(target: Target, progress: bool = True) -> Target:
                               tuple(cached["bf16_ms"]) if cached["bf16_ms"] else None)
     else:
         if progress:
-            logger.warning("mmvsd: choosing the CPU precision of %s on this machine (once)", target.name)
+            print(f"mmvsd: choosing fp32 or bf16 for {target.name} on this machine (once; cached in "
+                  f"{engine_path(key)})", file=sys.stderr, flush=True)
         choice = _measure_choice(target)
+        if progress:
+            print(f"mmvsd: {target.name} runs in {choice.dtype} here: {choice.describe()}", file=sys.stderr)
         _write(key, {"dtype": choice.dtype, "exact_rows": choice.exact_rows, "fp32_ms": list(choice.fp32_ms),
                      "bf16_ms": list(choice.bf16_ms) if choice.bf16_ms else None})
     if choice.dtype == "float32":
