@@ -88,12 +88,14 @@ def bf16_target(seed: int = 0) -> Target:
 
 def inject_row_dependent_kernel(monkeypatch, above: int, strength: float = 0.02):
     """Linears whose results change with the number of rows in a call beyond `above`: what a CPU kernel that
-    picks another blocking for more rows does, exaggerated."""
+    picks another blocking for more rows does, exaggerated. Below that they compute row by row, so they give
+    every row the same bits on any CPU."""
     real = engine.RowChunkedLinear._rows
 
     def kernel(self, x):
-        out = real(self, x)
-        rows = x.numel() // self.in_features
+        flat = x.reshape(-1, self.in_features)
+        out = torch.cat([real(self, row[None]) for row in flat]).view(*x.shape[:-1], self.out_features)
+        rows = flat.shape[0]
         return out * (1 + strength * (rows - above)) if rows > above else out
 
     monkeypatch.setattr(engine.RowChunkedLinear, "_rows", kernel)

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from conftest import PROMPT_POOL
+from mmvsd.decoding import shape_policy
 from mmvsd.decoding.decode import DecodeConfig, speculative_generate, vanilla_generate
 from mmvsd.decoding.shape_policy import (
     FULL,
@@ -184,6 +185,35 @@ def test_auto_is_lossless(tiny_target, fitted_drafter, batch, costs):
         assert all(size == 1 for r in spec for size in r.tree_sizes)
     else:
         assert max(max(r.accept_lengths) for r in spec) >= 3  # real trees were drafted and accepted
+
+
+@pytest.mark.parametrize("trees_win", [True, False])
+def test_the_choice_of_step_kinds_carries_from_call_to_call(tiny_target, fitted_drafter, monkeypatch, trees_win):
+    """A second answer decoded with the first's statistics goes on with the guards' measurements: it does not
+    start over with probing plain steps (a 20-step answer paid a fifth of its steps for them). The guards'
+    rates are made tokens per step (trees win) or their inverse (trees lose), not wall time."""
+    def per_step(log):
+        rate = sum(t for t, _ in log) / max(len(log), 1)
+        return rate if trees_win else 1.0 / max(rate, 1e-9)
+
+    monkeypatch.setattr(shape_policy, "_rate", per_step)
+    stats = AcceptanceStats()
+    config = DecodeConfig(max_new_tokens=40, tree="auto")
+    costs = LinearCosts(per_token=0.0005)
+    first = speculative_generate(tiny_target, fitted_drafter, PROMPT_POOL[:1], config, costs=costs, stats=stats)
+    chooser = stats.chooser()
+    guard = chooser.guards[PLAIN]
+    assert stats.chooser() is chooser and guard.costly_log  # it measured trees (whether they won: wall time)
+    plain_left = guard.cheap_left  # 0 where trees won, else the back-off still to serve
+    assert (plain_left == 0) == trees_win
+    second = speculative_generate(tiny_target, fitted_drafter, PROMPT_POOL[1:2], config, costs=costs, stats=stats)
+    assert stats.chooser() is chooser
+    assert first[0].tree_sizes[1:5] == [1, 1, 1, 1]  # the first answer opened with the guard's plain probes
+    sizes = second[0].tree_sizes[1:]
+    leading_plain = next((i for i, size in enumerate(sizes) if size > 1), len(sizes))
+    assert leading_plain == min(plain_left, len(sizes))  # the second went on where the first left off
+    reference = vanilla_generate(tiny_target, PROMPT_POOL[1:2], DecodeConfig(max_new_tokens=40))[0]
+    assert second[0].output_ids == reference.output_ids
 
 
 def test_guard_fallback_then_probe_is_lossless(tiny_target, fitted_drafter, monkeypatch):
