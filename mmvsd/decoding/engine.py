@@ -113,7 +113,8 @@ def _packing_available() -> bool:
 
 class RowChunkedLinear(nn.Module):
     """A linear layer computed `rows` rows at a time (so every row meets a kernel this CPU gives row-count-
-    independent bits), by oneDNN's prepacked kernel when `pack` (the plain weight is then not kept)."""
+    independent bits), by oneDNN's prepacked kernel when `pack` (the plain weight is then kept only with
+    `keep_weight`, for code that reads it: a tied LM head, a drafter's layers)."""
 
     def __init__(self, linear: nn.Linear, rows: int, pack: bool, keep_weight: bool = False) -> None:
         super().__init__()
@@ -177,7 +178,7 @@ def pack_for_cpu(module: nn.Module) -> bool:
     """Run a bf16 CPU module's linear layers on oneDNN's prepacked kernel (for speed alone: a drafter, whose
     bits do not matter to losslessness), keeping their weights for code that reads them. False (nothing done)
     where the module is not bf16 on the CPU or torch has no oneDNN linear. For inference only (no gradients)."""
-    weights = [p for p in module.parameters()]
+    weights = list(module.parameters())
     if not weights or weights[0].device.type != "cpu" or weights[0].dtype != torch.bfloat16 or not _packing_available():
         return False
     for parent in list(module.modules()):
