@@ -74,7 +74,8 @@ def test_row_chunked_linear_computes_the_linear_in_chunks(pack, monkeypatch):
     chunked = engine.RowChunkedLinear(linear, rows=4, pack=pack)
     calls = []
     real = engine.RowChunkedLinear._rows
-    monkeypatch.setattr(engine.RowChunkedLinear, "_rows", lambda self, x: calls.append(x.numel() // 16) or real(self, x))
+    monkeypatch.setattr(engine.RowChunkedLinear, "_rows",
+                        lambda self, x: calls.append(x.numel() // 16) or real(self, x))
     x = torch.randn(2, 5, 16).bfloat16()
     out = chunked(x)
     assert out.shape == (2, 5, 24) and calls == [4, 4, 2]

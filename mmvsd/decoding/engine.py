@@ -241,11 +241,15 @@ def exact_rows_for(target: Target) -> int:
     cached = _read(key)
     if cached is not None:
         return int(cached["exact_rows"])
-    probe = Target(copy.deepcopy(target.model), None, target.name, target.aux_layer_ids)  # packing is one-way
-    install_exact_engine(probe, rows=max(ROW_CANDIDATES))
-    rows = measure_exact_rows(probe)
+    rows = _bound_of(Target(copy.deepcopy(target.model), None, target.name, target.aux_layer_ids))
     _write(key, {"exact_rows": rows})
     return rows
+
+
+def _bound_of(probe: Target) -> int:
+    """The exact bound measured on `probe`, a throwaway half-precision target (packing is one-way)."""
+    install_exact_engine(probe, rows=max(ROW_CANDIDATES))
+    return measure_exact_rows(probe)
 
 
 def use_exact_engine(target: Target) -> bool:
@@ -293,8 +297,7 @@ def _bf16_copy(target: Target) -> Target:
 def _measure_choice(target: Target) -> EngineChoice:
     fp32_ms = _verify_ms(target)
     half = _bf16_copy(target)
-    install_exact_engine(half, rows=max(ROW_CANDIDATES))
-    rows = measure_exact_rows(half)
+    rows = _bound_of(half)
     if rows < 4:
         return EngineChoice("float32", rows, fp32_ms, None)
     install_exact_engine(half, rows)
