@@ -7,8 +7,10 @@
 from __future__ import annotations
 
 import re
-from importlib.metadata import PackageNotFoundError, requires, version
+from importlib.metadata import PackageNotFoundError, metadata, requires, version
 from pathlib import Path
+
+from packaging.requirements import Requirement
 
 import mmvsd
 
@@ -69,8 +71,6 @@ def version_report(pins: dict[str, str] | None = None) -> tuple[str, str | None]
 
 
 MODULE_OF_DISTRIBUTION = {"scikit-image": "skimage"}  # where a distribution's import name is not its own name
-# a requirement line of the metadata: NAME[EXTRAS] SPECIFIER [; extra == "EXTRA"]
-REQUIREMENT = re.compile(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)[^;]*(?:;\s*extra\s*==\s*['\"]([^'\"]+)['\"])?")
 
 
 def module_of(distribution: str) -> str:
@@ -80,12 +80,24 @@ def module_of(distribution: str) -> str:
 
 def declared_requirements(distribution: str = "mmvsd") -> list[tuple[str, str | None]]:
     """(canonical name, the extra that asks for it or None for an unconditional one) per requirement of an
-    installed distribution; [] when it is not installed."""
+    installed distribution that applies to this Python and platform (markers evaluated: `cffi; os_name == "nt"`
+    is no requirement on Linux); [] when it is not installed."""
     try:
         lines = requires(distribution) or []
+        extras = metadata(distribution).get_all("Provides-Extra") or []
     except PackageNotFoundError:
         return []
-    return [(canonical(match[1]), match[2]) for match in map(REQUIREMENT.match, lines)]
+    return [found for found in (requirement_of(line, extras) for line in lines) if found is not None]
+
+
+def requirement_of(line: str, extras: list[str]) -> tuple[str, str | None] | None:
+    """(canonical name, the first of `extras` that asks for it or None) of one requirement line of a
+    distribution's metadata, or None where its marker holds for none of them on this Python and platform."""
+    requirement = Requirement(line)
+    marker = requirement.marker
+    if marker is None or marker.evaluate({"extra": ""}):
+        return canonical(requirement.name), None
+    return next(((canonical(requirement.name), extra) for extra in extras if marker.evaluate({"extra": extra})), None)
 
 
 def extra_providing(module: str) -> str | None:

