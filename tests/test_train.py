@@ -74,10 +74,10 @@ def test_resume_ends_with_the_same_weights(setup, tmp_path, capsys, monkeypatch)
     assert train_cli(capsys, target, data, tmp_path / "full", *common)[0] == 0
     real_step = trainer._optimizer_step
 
-    def interrupted(config, accelerator, model, optimizer, scheduler, objective, target, source, state):
+    def interrupted(run, state):
         if state.step == 3:
             raise KeyboardInterrupt
-        return real_step(config, accelerator, model, optimizer, scheduler, objective, target, source, state)
+        return real_step(run, state)
 
     monkeypatch.setattr(trainer, "_optimizer_step", interrupted)
     assert train_cli(capsys, target, data, tmp_path / "cut", *common)[0] == 130
@@ -117,8 +117,8 @@ def test_non_finite_losses_are_skipped_then_stop_the_run(setup, tmp_path, capsys
     def sometimes_nan(name, config):
         objective = real(name, config)
 
-        def wrapped(drafter, target, batch, generator):
-            loss, metrics = objective(drafter, target, batch, generator)
+        def wrapped(drafter, target, batch, generator, mean):
+            loss, metrics = objective(drafter, target, batch, generator, mean)
             calls["n"] += 1
             return (loss * float("nan") if calls["n"] >= 3 else loss), metrics
 

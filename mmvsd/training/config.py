@@ -48,7 +48,9 @@ class TrainConfig:
     feature_cache: str = ""
     draft_vocab_size: int = 32000
     # optimisation (paper, App. Implementation Details)
-    batch_size: int = 1
+    batch_size: int = 1  # examples per micro-batch on each process
+    global_batch_size: int = 0  # > 0: examples per micro-batch over all processes, split evenly across them
+    # (instead of batch_size; such a run may resume with another number of processes)
     grad_accum: int = 1
     epochs: float = 1.0
     max_steps: int = 0  # optimizer steps; > 0 overrides epochs
@@ -99,6 +101,11 @@ class TrainConfig:
         for key in positive:
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.global_batch_size < 0:
+            raise UserError(f"global_batch_size must be >= 0 (0: batch_size per process), got {self.global_batch_size}")
+        if self.global_batch_size and self.batch_size != 1:
+            raise UserError("set batch_size (per process) or global_batch_size (split across the processes), "
+                            f"not both (got {self.batch_size} and {self.global_batch_size})")
         self._validate_eval()
         self.loss.validate(self.objective)  # loss values, weights (objectives.ObjectiveConfig)
 

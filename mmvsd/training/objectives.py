@@ -29,6 +29,7 @@ from torch import Tensor
 from mmvsd.drafter_base import Drafter, target_to_draft_ids
 from mmvsd.errors import UserError
 from mmvsd.target import Target
+from mmvsd.training.distributed import Mean, batch_mean
 from mmvsd.training.estep import EStepPaths, run_estep
 from mmvsd.training.features import FeatureBatch, draft_step0_inputs
 from mmvsd.training.unroll import shifted, unroll_draft_steps
@@ -123,7 +124,7 @@ OBJECTIVE_NAMES = tuple(TERM_WEIGHTS)
 
 
 Metrics = dict[str, float]
-Objective = Callable[[Drafter, Target, FeatureBatch, torch.Generator], tuple[Tensor, Metrics]]
+Objective = Callable[[Drafter, Target, FeatureBatch, torch.Generator, Mean], tuple[Tensor, Metrics]]
 
 
 def draft_vocab_logits(target: Target, drafter: Drafter, target_hidden: Tensor) -> tuple[Tensor, Tensor]:
@@ -133,8 +134,10 @@ def draft_vocab_logits(target: Target, drafter: Drafter, target_hidden: Tensor) 
     return logits[..., drafter.draft_vocab_target_ids()].float(), in_vocab[logits.argmax(-1)]
 
 
-def ce_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: ObjectiveConfig) -> tuple[Tensor, Metrics]:
-    """EAGLE-3 training-time test with soft labels and per-step top-1 accuracy."""
+def ce_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: ObjectiveConfig,
+            mean: Mean = batch_mean) -> tuple[Tensor, Metrics]:
+    """EAGLE-3 training-time test with soft labels and per-step top-1 accuracy (`mean`: over this batch's
+    positions, or over every process's, mmvsd.training.distributed)."""
     tokens = batch.tokens
     features, next_ids, media = draft_step0_inputs(drafter, batch)
     hiddens = unroll_draft_steps(drafter, features, next_ids, config.ttt_steps, media)
@@ -148,20 +151,20 @@ def ce_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: Objec
         step_logits = shifted(target_logits, step + 1)[mask]  # [N, Vd]
         draft_logprobs = drafter.draft_logprobs(hidden[mask])  # [N, Vd]
         soft_ce = -(torch.softmax(step_logits, -1) * draft_logprobs).sum(-1)  # [N]
-        count = mask.sum().clamp(min=1)
-        total = total + config.ttt_decay**step * soft_ce.sum() / count
+        count = mask.sum()
+        total = total + config.ttt_decay**step * mean(soft_ce.sum(), count)
         correct = draft_logprobs.argmax(-1) == step_logits.argmax(-1)
-        metrics[f"acc_{step}"] = float(correct.sum() / count)
+        metrics[f"acc_{step}"] = float(mean(correct.sum().float(), count))
     metrics["ce"] = float(total.detach())
     return total, metrics
 
 
 def vsd_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: ObjectiveConfig,
-             generator: torch.Generator) -> tuple[Tensor, Metrics]:
+             generator: torch.Generator, mean: Mean = batch_mean) -> tuple[Tensor, Metrics]:
     """The VSD EM term (Alg. 1 with eq. advance) at `num_anchors` random anchors per row."""
     paths = run_estep(drafter, target, batch, config.num_anchors, config.num_samples, config.path_length, generator,
                       greedy_full_vocab=config.zbar_vocab == "full")
-    return vsd_m_step(paths, config)
+    return vsd_m_step(paths, config, mean)
 
 
 @dataclass
@@ -192,7 +195,7 @@ def estep_oracles(paths: EStepPaths, config: ObjectiveConfig) -> Oracles:
     return Oracles(greedy_log_kappa, proposal_log_kappa, proposal_oracle, correction_oracle, passed, final_oracle)
 
 
-def vsd_m_step(paths: EStepPaths, config: ObjectiveConfig) -> tuple[Tensor, Metrics]:
+def vsd_m_step(paths: EStepPaths, config: ObjectiveConfig, mean: Mean = batch_mean) -> tuple[Tensor, Metrics]:
     """Oracle, final paths, ARW beta and CAR zeta for every (anchor, sample, length), then eq. advance."""
     oracles = estep_oracles(paths, config)
     passed = oracles.passed
@@ -203,7 +206,7 @@ def vsd_m_step(paths: EStepPaths, config: ObjectiveConfig) -> tuple[Tensor, Metr
     loss, raw = vsd_surrogate(
         final_path_lps, proposal_path_lps, final_oracle=oracles.final_oracle, proposal_passed=passed,
         beta=leave_one_out_acceptance(passed, oracles.final_oracle), zeta=zeta, mask=paths.mask,
-        use_arw=config.use_arw, use_car=config.use_car,
+        use_arw=config.use_arw, use_car=config.use_car, mean=mean,
     )
     raw.update(oracle_diagnostics(oracles.proposal_log_kappa, oracles.greedy_log_kappa,
                                   oracles.correction_oracle > 0, paths.mask))
@@ -212,7 +215,8 @@ def vsd_m_step(paths: EStepPaths, config: ObjectiveConfig) -> tuple[Tensor, Metr
     return loss, metrics
 
 
-def topk_kl_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: ObjectiveConfig) -> tuple[Tensor, Metrics]:
+def topk_kl_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: ObjectiveConfig,
+                 mean: Mean = batch_mean) -> tuple[Tensor, Metrics]:
     """sum_i ttt_decay^i * mean top-K renormalised KL at unrolled step i (every step, or step 0 only).
 
     Step i at anchor t predicts token t+2+i, whose target distribution sits at position t+1+i, at
@@ -227,19 +231,19 @@ def topk_kl_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: 
     for step, hidden in enumerate(hiddens):
         mask = shifted(batch.tokens.loss_mask, step + 2, False)
         kl = topk_renormalised_kl(shifted(target_logits, step + 1), drafter.draft_logprobs(hidden), config.kl_topk)
-        step_kl = (kl * mask).sum() / mask.sum().clamp(min=1)
+        step_kl = mean((kl * mask).sum(), mask.sum())
         total = total + config.ttt_decay**step * step_kl
         metrics[f"topk_kl_{step}"] = float(step_kl.detach())
     metrics["topk_kl"] = float(total.detach())
     return total, metrics
 
 
-def _ce_term(drafter, target, batch, config, generator):
-    return ce_loss(drafter, target, batch, config)
+def _ce_term(drafter, target, batch, config, generator, mean):
+    return ce_loss(drafter, target, batch, config, mean)
 
 
-def _kl_term(drafter, target, batch, config, generator):
-    return topk_kl_loss(drafter, target, batch, config)
+def _kl_term(drafter, target, batch, config, generator, mean):
+    return topk_kl_loss(drafter, target, batch, config, mean)
 
 
 TERMS = {"ce": _ce_term, "vsd": vsd_loss, "topk_kl": _kl_term}
@@ -253,12 +257,13 @@ def make_objective(name: str, config: ObjectiveConfig) -> Objective:
     config.validate(name)
     weights = term_weights(name, config)
 
-    def objective(drafter: Drafter, target: Target, batch: FeatureBatch, generator: torch.Generator):
+    def objective(drafter: Drafter, target: Target, batch: FeatureBatch, generator: torch.Generator,
+                  mean: Mean = batch_mean):
         total, metrics = None, {}
         for term, weight in weights.items():
             if weight == 0:
                 continue
-            value, term_metrics = TERMS[term](drafter, target, batch, config, generator)
+            value, term_metrics = TERMS[term](drafter, target, batch, config, generator, mean)
             total = weight * value if total is None else total + weight * value
             metrics.update(term_metrics)
         return total, metrics

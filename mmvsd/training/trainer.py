@@ -6,8 +6,10 @@ Output folder layout:
     OUT/checkpoints/step-NNNNNNN/            accelerate state + trainer_state.json + train_config.yaml
     OUT/logs/                                TensorBoard
 A checkpoint folder appears by one rename when complete, so an interrupted write leaves the previous
-checkpoint the latest valid one. Data order and every E-step sample derive from (seed, step), so
-`--resume` continues exactly where the interrupted run would have been.
+checkpoint the latest valid one. Data order and every E-step sample derive from (seed, step, process), so
+`--resume` continues exactly where the interrupted run would have been. Under `accelerate launch` with N
+processes the global batch is split across them (mmvsd.training.distributed): N x batch_size trains as one
+process with N x batch_size does, and a run with `global_batch_size` may resume with another N.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +37,15 @@ from mmvsd.target_loader import load_target
 from mmvsd.training.acceptance import TauMonitor
 from mmvsd.training.config import TrainConfig
 from mmvsd.training.dataset import ExampleSplit, data_specs, draft_vocab_from_counts, load_examples, token_frequencies
+from mmvsd.training.distributed import (
+    BatchSplit,
+    Mean,
+    TrainingStep,
+    mean_for,
+    rank_seed,
+    reduce_count,
+    reduce_metrics,
+)
 from mmvsd.training.drafter_init import InitSource, resolve_init
 from mmvsd.training.feature_cache import FeatureCache, check_cache_matches
 from mmvsd.training.features import FeatureBatch, capture_features, collate
@@ -48,6 +60,7 @@ STATE_FILE = "trainer_state.json"
 RESUMABLE_CHANGES = {"progress", "log_every", "save_every", "keep_checkpoints", "max_bad_steps", "eval_every",
                      "eval_prompts", "eval_limit", "eval_max_new_tokens", "eval_tree",
                      "max_minutes"}  # this process's time budget: the schedule follows steps, never minutes
+BATCH_KEYS = {"batch_size", "global_batch_size"}  # compared as the global batch they give (`check_resume_split`)
 VAL_LOG = "val_tau.jsonl"  # one line per validation-tau evaluation (also in TensorBoard as val/*)
 
 
@@ -57,7 +70,9 @@ class TrainState:
 
     step: int = 0  # optimizer steps done
     num_bad_steps: int = 0  # skipped because the loss was not finite
-    tokens_seen: int = 0  # sequence tokens (padding excluded) in the micro-batches of the steps done
+    tokens_seen: int = 0  # sequence tokens (padding excluded) in the micro-batches of the steps done, all processes
+    num_processes: int = 1  # of the run that wrote the checkpoint
+    global_batch: int = 0  # examples per micro-batch over all processes (0: a checkpoint older than this field)
 
 
 def lr_lambda(config: TrainConfig, total_steps: int):
@@ -76,10 +91,12 @@ def lr_lambda(config: TrainConfig, total_steps: int):
 
 
 def batch_indices(num_examples: int, batch_size: int, seed: int, micro_step: int) -> list[int]:
-    """Example indices of micro-batch `micro_step`: a fresh seeded permutation every epoch."""
+    """Example indices of micro-batch `micro_step`: a fresh seeded permutation every epoch, its last batch filled
+    up from the permutation's start (as a distributed sampler pads), so every batch holds `batch_size` examples."""
     per_epoch = math.ceil(num_examples / batch_size)
     epoch, slot = divmod(micro_step, per_epoch)
     order = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    order = torch.cat([order, order[: per_epoch * batch_size - num_examples]])
     return order[slot * batch_size : (slot + 1) * batch_size].tolist()
 
 
@@ -100,10 +117,10 @@ def curriculum_indices(is_media: list[bool], batch_size: int, seed: int, micro_s
     return picks
 
 
-def total_steps(config: TrainConfig, num_examples: int) -> int:
+def total_steps(config: TrainConfig, num_examples: int, global_batch: int) -> int:
     if config.max_steps > 0:
         return config.max_steps
-    micro = math.ceil(config.epochs * math.ceil(num_examples / config.batch_size))
+    micro = math.ceil(config.epochs * math.ceil(num_examples / global_batch))
     return max(1, micro // config.grad_accum)
 
 
@@ -156,10 +173,24 @@ def check_resume_config(checkpoint: Path, config: TrainConfig) -> None:
     """Refuse to resume a checkpoint made with different training settings."""
     saved = yaml.safe_load((checkpoint / "train_config.yaml").read_text())
     current = config.to_dict()
-    changed = sorted(k for k in current if k not in RESUMABLE_CHANGES and saved.get(k) != current[k])
+    changed = sorted(k for k in current if k not in RESUMABLE_CHANGES | BATCH_KEYS and saved.get(k) != current[k])
     if changed:
         details = ", ".join(f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in changed)
         raise UserError(f"cannot resume {checkpoint}: settings differ ({details})")
+
+
+def check_resume_split(checkpoint: Path, saved: TrainState, split: BatchSplit, sharded: bool) -> None:
+    """A run resumes with the global batch it was trained with (any number of processes, unless the optimizer
+    state is sharded per process, as DeepSpeed's is)."""
+    if saved.global_batch and saved.global_batch != split.global_size:
+        raise UserError(f"cannot resume {checkpoint}: it was trained with a global batch of {saved.global_batch} "
+                        f"({saved.num_processes} process(es) x {saved.global_batch // saved.num_processes}), this "
+                        f"run's is {split.global_size} ({split.num_processes} x {split.per_process}): resume with "
+                        f"the same batch_size and {saved.num_processes} process(es), or set "
+                        f"global_batch_size={saved.global_batch}")
+    if sharded and saved.num_processes != split.num_processes:
+        raise UserError(f"cannot resume {checkpoint} with {split.num_processes} processes: DeepSpeed saved its "
+                        f"optimizer state in {saved.num_processes} shards; resume with {saved.num_processes}")
 
 
 class OnlineSource:
@@ -240,23 +271,43 @@ def publish_drafter(drafter: Drafter, out_dir: Path) -> None:
 
 
 def _accelerator(config: TrainConfig, out_dir: Path):
-    """One Accelerator; under `accelerate launch` with DeepSpeed, our batch settings fill its config."""
+    """One Accelerator and the split of the global batch across its processes; under `accelerate launch` with
+    DeepSpeed, our batch settings fill its config."""
     from accelerate import Accelerator  # heavy (~0.4 s even after torch): only a training run needs it
     from accelerate.state import AcceleratorState  # likewise
+    from accelerate.utils import DistributedDataParallelKwargs
 
     # one process may train several times (notebooks, tests) with other precisions: AcceleratorState
     # is a process-wide singleton, so forget its settings (the distributed PartialState is kept)
     AcceleratorState._reset_state()
+    # a drafter may leave parameters out of a step (an image adaptor on a text batch)
+    unused = DistributedDataParallelKwargs(find_unused_parameters=True)
+    # the schedule counts optimizer steps over the global batch: one scheduler step per optimizer step (accelerate
+    # would otherwise take N, as if each process's data loader were N times shorter)
     accelerator = Accelerator(mixed_precision="bf16" if config.precision == "bf16" else "no",
-                              log_with="tensorboard", project_dir=str(out_dir / "logs"))
+                              log_with="tensorboard", project_dir=str(out_dir / "logs"), kwargs_handlers=[unused],
+                              step_scheduler_with_optimizer=False)
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > accelerator.num_processes:  # e.g. `accelerate launch --multi_gpu` on a machine with no GPU
+        raise UserError(f"{launched} processes were launched but accelerate joined none of them into one run (each "
+                        f"would train alone); on CPUs set ACCELERATE_USE_CPU=1 (docs/training.md, 'Several processes')")
+    split = BatchSplit.of(config.batch_size, config.global_batch_size, accelerator.num_processes,
+                          accelerator.process_index)
     plugin = accelerator.state.deepspeed_plugin
     if plugin is not None:
-        if config.grad_accum != 1:  # DeepSpeed's engine steps on every backward under accelerate
-            raise UserError("with DeepSpeed use grad_accum=1 (scale the batch with batch_size and GPUs)")
-        plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = config.batch_size
-        plugin.deepspeed_config["gradient_accumulation_steps"] = 1  # we accumulate ourselves
-        plugin.deepspeed_config["gradient_clipping"] = config.max_grad_norm
-    return accelerator
+        fill_deepspeed_config(plugin.deepspeed_config, config, split)
+    return accelerator, split
+
+
+def fill_deepspeed_config(deepspeed_config: dict, config: TrainConfig, split: BatchSplit) -> None:
+    """Our batch and clipping settings in DeepSpeed's config (its engine steps on every backward under
+    accelerate, so we accumulate nothing ourselves)."""
+    if config.grad_accum != 1:
+        raise UserError("with DeepSpeed use grad_accum=1 (scale the batch with batch_size and GPUs)")
+    deepspeed_config["train_micro_batch_size_per_gpu"] = split.per_process
+    deepspeed_config["train_batch_size"] = split.global_size
+    deepspeed_config["gradient_accumulation_steps"] = 1
+    deepspeed_config["gradient_clipping"] = config.max_grad_norm
 
 
 def _scalar_config(config: TrainConfig) -> dict:
@@ -275,41 +326,47 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
     if config.features == "online":
         check_dataset_exists(config.data)
     check_init(config)
-    accelerator = _accelerator(config, out_dir)
+    accelerator, split = _accelerator(config, out_dir)
+    state = TrainState(num_processes=split.num_processes, global_batch=split.global_size)
+    if resume_from is not None:
+        saved = TrainState(**json.loads((resume_from / STATE_FILE).read_text()))
+        check_resume_split(resume_from, saved, split, sharded=accelerator.state.deepspeed_plugin is not None)
+        state = TrainState(**{**saved.__dict__, "num_processes": split.num_processes,
+                              "global_batch": split.global_size})
     if target is None:
         target = load_target(config.target, dtype=TARGET_DTYPES[config.target_dtype])
     target.model.to(accelerator.device)
     monitor = _tau_monitor(config, target, accelerator)
     source = _training_source(config, target, out_dir)
+    split.check_fits(len(source))
     drafter = build_drafter(config, target, source.examples)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
-    steps = total_steps(config, len(source))
+    steps = total_steps(config, len(source), split.global_size)
     if config.max_minutes > 0 and uses_curriculum(config, drafter, source):
         logger.warning("the media curriculum shows no media before step %d of %d; max_minutes=%g may end the run "
                        "first (media_curriculum=off mixes them in from the start)", steps // 2, steps,
                        config.max_minutes)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config, steps))
-    model, optimizer, scheduler = accelerator.prepare(drafter, optimizer, scheduler)
-    state = TrainState()
+    objective = make_objective(config.objective, config.loss)
+    model, optimizer, scheduler = accelerator.prepare(TrainingStep(drafter, target, objective), optimizer, scheduler)
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
-        state = TrainState(**json.loads((resume_from / STATE_FILE).read_text()))
+    run = Run(config, accelerator, model, optimizer, scheduler, source, split, mean_for(accelerator), steps)
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         config.save(out_dir / "train_config.yaml")
     accelerator.init_trackers("train", config=_scalar_config(config))
-    objective = make_objective(config.objective, config.loss)
     bar = tqdm(total=steps, initial=state.step, desc=f"train {config.objective}", dynamic_ncols=True,
                disable=not (config.progress and accelerator.is_main_process))
     deadline = time.monotonic() + 60 * config.max_minutes if config.max_minutes > 0 else math.inf
     while state.step < steps:
-        metrics = _optimizer_step(config, accelerator, model, optimizer, scheduler, objective, target, source, state)
+        metrics = _optimizer_step(run, state)
         state.step += 1
         bar.update(1)
         if time.monotonic() > deadline:  # a wall-clock budget (equal-time comparisons): stop as if at the end
             steps = state.step
         if monitor is not None and (state.step % config.eval_every == 0 or state.step == steps):
-            _log_tau(monitor, accelerator.unwrap_model(model), accelerator, out_dir, state)
+            _log_tau(monitor, run.drafter, accelerator, out_dir, state)
         bar.set_postfix(_postfix(metrics, monitor), refresh=False)
         if state.step % config.log_every == 0 or state.step == steps:
             accelerator.log({f"train/{k}": v for k, v in metrics.items()}, step=state.step)
@@ -318,7 +375,7 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
     bar.close()
     accelerator.end_training()
     if accelerator.is_main_process:
-        publish_drafter(accelerator.unwrap_model(model), out_dir)
+        publish_drafter(run.drafter, out_dir)
     return out_dir
 
 
@@ -358,29 +415,54 @@ def _log_tau(monitor, drafter: Drafter, accelerator, out_dir: Path, state: Train
         handle.write(json.dumps(line) + "\n")
 
 
-def _optimizer_step(config, accelerator, model, optimizer, scheduler, objective, target, source, state) -> dict:
-    """grad_accum micro-batches, one AdamW update (skipped, and counted, if a loss is not finite)."""
-    drafter = accelerator.unwrap_model(model)
+@dataclass
+class Run:
+    """What every optimizer step of a run uses."""
+
+    config: TrainConfig
+    accelerator: object
+    model: TrainingStep  # prepared: wrapped for data parallelism where there is more than one process
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    source: object  # OnlineSource | OfflineSource
+    split: BatchSplit
+    mean: Mean
+    steps: int  # the schedule's optimizer steps
+    drafter: Drafter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.drafter = self.accelerator.unwrap_model(self.model).drafter
+
+
+def _optimizer_step(run: Run, state: TrainState) -> dict:
+    """grad_accum micro-batches, one AdamW update (skipped, and counted, if a loss is not finite on any process)."""
+    config, accelerator, model = run.config, run.accelerator, run.model
     totals: dict[str, float] = {}
-    for micro in range(state.step * config.grad_accum, (state.step + 1) * config.grad_accum):
-        batch = source.batch(micro_batch_indices(config, drafter, source, micro, total_steps(config, len(source))))
-        generator = torch.Generator().manual_seed(config.seed * 1_000_003 + micro)
-        with accelerator.autocast():
-            loss, metrics = objective(drafter, target, batch, generator)
-        finite = accelerator.reduce(torch.isfinite(loss.detach()).float().reshape(1), "min")
-        if not bool(finite.item()):
-            return _skip_step(config, optimizer, scheduler, state)
-        accelerator.backward(loss / config.grad_accum)
-        state.tokens_seen += int(batch.tokens.lengths.sum())
+    first, last = state.step * config.grad_accum, (state.step + 1) * config.grad_accum - 1
+    for micro in range(first, last + 1):
+        rows = run.split.rows(micro_batch_indices(config, run.drafter, run.source, micro, run.steps,
+                                                  run.split.global_size))
+        batch = run.source.batch(rows)
+        generator = torch.Generator().manual_seed(rank_seed(config.seed, micro, run.split.rank))
+        # gradients are exchanged once per optimizer step, on its last micro-batch
+        with nullcontext() if micro == last else accelerator.no_sync(model):
+            with accelerator.autocast():
+                loss, metrics = model(batch, generator, run.mean)
+            finite = accelerator.reduce(torch.isfinite(loss.detach()).float().reshape(1), "min")
+            if not bool(finite.item()):
+                return _skip_step(config, run.optimizer, run.scheduler, state)
+            accelerator.backward(loss / config.grad_accum)
+        state.tokens_seen += reduce_count(accelerator, int(batch.tokens.lengths.sum()))
         for key, value in {"loss": float(loss.detach()), **metrics}.items():
             totals[key] = totals.get(key, 0.0) + value / config.grad_accum
+    totals = reduce_metrics(accelerator, totals)
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
     if grad_norm is not None:
         totals["grad_norm"] = float(grad_norm)
-    totals["lr"] = scheduler.get_last_lr()[0]
+    totals["lr"] = run.scheduler.get_last_lr()[0]
     totals["bad_steps"] = float(state.num_bad_steps)
     totals["tokens_seen"] = float(state.tokens_seen)
     return totals
@@ -392,12 +474,13 @@ def uses_curriculum(config: TrainConfig, drafter: Drafter, source) -> bool:
     return asked and any(source.is_media)
 
 
-def micro_batch_indices(config: TrainConfig, drafter: Drafter, source, micro_step: int, num_steps: int) -> list[int]:
-    """Examples of one micro-batch: shuffled epochs, or the media curriculum when it applies."""
+def micro_batch_indices(config: TrainConfig, drafter: Drafter, source, micro_step: int, num_steps: int,
+                        global_batch: int) -> list[int]:
+    """Examples of one global micro-batch: shuffled epochs, or the media curriculum when it applies."""
     if uses_curriculum(config, drafter, source):
-        return curriculum_indices(source.is_media, config.batch_size, config.seed, micro_step,
+        return curriculum_indices(source.is_media, global_batch, config.seed, micro_step,
                                   num_steps * config.grad_accum)
-    return batch_indices(len(source), config.batch_size, config.seed, micro_step)
+    return batch_indices(len(source), global_batch, config.seed, micro_step)
 
 
 def _skip_step(config: TrainConfig, optimizer, scheduler, state: TrainState) -> dict:

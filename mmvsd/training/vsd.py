@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mmvsd.training.distributed import Mean, batch_mean
+
 SAMPLE_DIM = 1  # the S axis of every [A, S, L] tensor
 
 
@@ -182,6 +184,7 @@ def vsd_surrogate(
     mask: Tensor | None = None,
     use_arw: bool = True,
     use_car: bool = True,
+    mean: Mean = batch_mean,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Scalar loss whose gradient is minus the control-variate gradient g_hat of eq. advance.
 
@@ -189,7 +192,8 @@ def vsd_surrogate(
         g_hat = 1/sum_{l,s} o' * sum_{l,s} o'^{(l,s)} [grad log q(z^{(s)}_<=l) - beta*zeta * grad log q(z~^{(s)}_<=l)]
     The correction term applies to every proposal, kept or not, exactly as eq. advance is written
     (for a kept proposal z = z~ and the terms partly cancel, as the ARW paragraph describes).
-    loss = - mean over anchors with sum o' > 0 of the bracketed surrogate, so descending the loss
+    loss = - mean over anchors with sum o' > 0 of the bracketed surrogate (`mean`: of this batch, or of every
+    process's anchors under data parallelism), so descending the loss
     ascends g_hat. Oracle weights, beta and zeta are detached (they are E-step constants).
     Switches (ablation, Tab. ab1): use_arw=False sets beta*zeta = 0, giving eq. basic (the
     "standard gradient" that ignores rejected proposals; CAR then has no effect); use_car=False
@@ -216,7 +220,7 @@ def vsd_surrogate(
     used = total_weight > 0
     per_anchor = weighted / torch.where(used, total_weight, torch.ones_like(total_weight))
     num_used = used.sum()
-    loss = -(per_anchor * used).sum() / num_used.clamp(min=1)
+    loss = -mean((per_anchor * used).sum(), num_used)
     metrics = _surrogate_metrics(proposal_passed, final_weight, beta, zeta, correction, valid, num_used)
     return loss, metrics
 
