@@ -388,9 +388,12 @@ def run_train(args: argparse.Namespace) -> None:
 
     flags = {k: getattr(args, k) for k in ("target", "drafter", "init", "objective", "data", "output")}
     config = load_train_config(args.config, flags, args.overrides)
+    from accelerate import PartialState  # loaded by the trainer already
+
     out_dir = train(config, resume=args.resume)
-    print(f"drafter written to {out_dir}; try: mmvsd generate --target {config.target} --drafter {out_dir} "
-          f"--prompt \"...\"")
+    if PartialState().is_main_process:  # once, not once per process of `accelerate launch`
+        print(f"drafter written to {out_dir}; try: mmvsd generate --target {config.target} --drafter {out_dir} "
+              f"--prompt \"...\"")
 
 
 def run_prepare(args: argparse.Namespace) -> None:

@@ -59,7 +59,8 @@ STATE_FILE = "trainer_state.json"
 # settings that may change between an interrupted run and its resumption
 RESUMABLE_CHANGES = {"progress", "log_every", "save_every", "keep_checkpoints", "max_bad_steps", "eval_every",
                      "eval_prompts", "eval_limit", "eval_max_new_tokens", "eval_tree",
-                     "max_minutes"}  # this process's time budget: the schedule follows steps, never minutes
+                     "max_minutes",  # this process's time budget: the schedule follows steps, never minutes
+                     "output"}  # the run's folder, which may have moved or be named by another path
 BATCH_KEYS = {"batch_size", "global_batch_size"}  # compared as the global batch they give (`check_resume_split`)
 VAL_LOG = "val_tau.jsonl"  # one line per validation-tau evaluation (also in TensorBoard as val/*)
 

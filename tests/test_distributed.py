@@ -1,0 +1,156 @@
+"""Data-parallel training for real: `accelerate launch` starts 2 CPU processes (gloo) that must train the drafter one
+process trains with the doubled batch, resume bit-exactly, and resume with another number of processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_train import write_sharegpt
+
+from conftest import save_tiny_target
+from mmvsd.cli import main
+from mmvsd.errors import UserError
+from mmvsd.training import trainer
+from mmvsd.training.distributed import BatchSplit, GlobalMean, batch_mean, rank_seed
+
+SETTINGS = ["draft_vocab_size=64", "loss.ttt_steps=3", "loss.num_samples=4", "loss.num_anchors=2",
+            "loss.path_length=3", "progress=false", "validation_fraction=0", "max_steps=4", "save_every=2",
+            "learning_rate=0.01"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(tmp_path: Path, num_processes: int, *args: str) -> subprocess.CompletedProcess:
+    """`accelerate launch` of `python -m mmvsd train` with `num_processes` CPU processes."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", MMVSD_CACHE=str(tmp_path / "cache"))
+    command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes",
+               str(num_processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(free_port()), "-m", "mmvsd", "train", *args]
+    return subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600, check=False)
+
+
+def weights(out: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "model.safetensors"))
+
+
+def state(out: Path, step: int) -> dict:
+    return json.loads((out / "checkpoints" / f"step-{step:07d}" / "trainer_state.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The tiny target and data, and two 2-process runs: ce with grad_accum=2, vsd-kl (E-step draws per process)."""
+    root = tmp_path_factory.mktemp("ddp")
+    target, data = save_tiny_target(root / "target"), write_sharegpt(root / "data.json", num=12)
+    common = ["--target", str(target), "--data", str(data), *SETTINGS]
+    for name, objective in (("ce", ["--objective", "ce", "grad_accum=2"]), ("vsd", ["--objective", "vsd-kl"])):
+        done = launch(root, 2, *common, *objective, "batch_size=2", "--output", str(root / name))
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.count("drafter written to") == 1  # said once, not once per process
+    return root, common
+
+
+def test_two_processes_train_as_one_with_the_doubled_batch(runs, capsys):
+    root, common = runs
+    assert main(["train", *common, "--objective", "ce", "grad_accum=2", "batch_size=4", "--output",
+                 str(root / "one")]) == 0
+    two, one = weights(root / "ce"), weights(root / "one")
+    assert two.keys() == one.keys()
+    for key in two:
+        torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-5, msg=key)
+    assert state(root / "ce", 4)["num_processes"] == 2 and state(root / "one", 4)["num_processes"] == 1
+    assert state(root / "ce", 4)["tokens_seen"] == state(root / "one", 4)["tokens_seen"]  # summed over processes
+    assert not torch.equal(two["fc.weight"], weights(root / "vsd")["fc.weight"])
+
+
+def test_a_resumed_two_process_run_equals_the_uninterrupted_one(runs, tmp_path):
+    root, common = runs
+    cut = tmp_path / "cut"
+    shutil.copytree(root / "vsd" / "checkpoints" / "step-0000002", cut / "checkpoints" / "step-0000002")
+    done = launch(tmp_path, 2, *common, "--objective", "vsd-kl", "batch_size=2", "--output", str(cut), "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    full, resumed = weights(root / "vsd"), weights(cut)
+    for key in full:
+        assert torch.equal(full[key], resumed[key]), key
+
+
+def test_resuming_with_another_number_of_processes_keeps_the_global_batch(runs, tmp_path, capsys):
+    root, common = runs
+    cut = tmp_path / "cut"
+    shutil.copytree(root / "ce" / "checkpoints" / "step-0000002", cut / "checkpoints" / "step-0000002")
+    ce = [*common, "--objective", "ce", "grad_accum=2", "--output", str(cut), "--resume"]
+    assert main(["train", *ce, "batch_size=2"]) == 2  # 1 x 2 is not the checkpoint's global batch of 2 x 2
+    err = capsys.readouterr().err
+    assert "global batch of 4 (2 process(es) x 2)" in err and "global_batch_size=4" in err
+    assert not (cut / "model.safetensors").exists()
+    assert main(["train", *ce, "global_batch_size=4"]) == 0
+    two, one = weights(root / "ce"), weights(cut)
+    for key in two:
+        torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-5, msg=key)
+
+
+def test_batch_split_rows_and_bad_splits():
+    split = BatchSplit.of(3, 0, num_processes=2, rank=1)
+    assert (split.global_size, split.per_process) == (6, 3) and split.rows(list(range(6))) == [3, 4, 5]
+    assert BatchSplit.of(1, 8, num_processes=4, rank=3).rows(list(range(8))) == [6, 7]
+    with pytest.raises(UserError, match="does not split evenly across 4 processes"):
+        BatchSplit.of(1, 6, num_processes=4, rank=0)
+    with pytest.raises(UserError, match="fewer than one example each"):
+        BatchSplit.of(1, 2, num_processes=4, rank=0)
+    with pytest.raises(UserError, match="exceeds the 5 training examples"):
+        BatchSplit.of(3, 0, num_processes=2, rank=0).check_fits(5)
+    assert rank_seed(7, 5, 0) == 7 * 1_000_003 + 5 and rank_seed(7, 5, 1) != rank_seed(7, 6, 0)
+
+
+class SummingAccelerator:
+    """Stands for 2 processes whose other process holds `others` items."""
+
+    num_processes = 2
+
+    def __init__(self, others: float) -> None:
+        self.others = others
+
+    def reduce(self, tensor, reduction):
+        assert reduction == "sum"
+        return tensor + self.others
+
+
+def test_global_mean_makes_the_averaged_gradient_the_global_batch_mean():
+    values = torch.tensor([1.0, 2.0, 3.0, 4.0, 10.0], requires_grad=True)  # rank 0 holds 2 items, rank 1 holds 3
+    grads = []
+    for mine, others in ((values[:2], 3.0), (values[2:], 2.0)):
+        loss = GlobalMean(SummingAccelerator(others))(mine.pow(2).sum(), torch.tensor(len(mine)))
+        grads.append(torch.autograd.grad(loss, values)[0])
+    averaged = (grads[0] + grads[1]) / 2  # what data parallelism applies
+    direct = torch.autograd.grad(batch_mean(values.pow(2).sum(), torch.tensor(5)), values)[0]
+    torch.testing.assert_close(averaged, direct)
+
+
+def test_every_micro_batch_is_full_and_each_epoch_covers_every_example():
+    batches = [trainer.batch_indices(10, 4, seed=1, micro_step=step) for step in range(6)]
+    assert all(len(batch) == 4 for batch in batches)
+    first_epoch = [i for batch in batches[:3] for i in batch]
+    assert set(first_epoch) == set(range(10)) and len(first_epoch) == 12  # the last batch filled up with 2
+
+
+def test_too_large_a_global_batch_is_one_clear_error(runs, tmp_path, capsys):
+    root, common = runs
+    code = main(["train", *common, "batch_size=13", "--output", str(tmp_path / "out")])
+    assert code == 2 and "exceeds the 12 training examples" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+    assert main(["train", *common, "batch_size=2", "global_batch_size=4", "--output", str(tmp_path / "o")]) == 2
+    assert "not both" in capsys.readouterr().err
