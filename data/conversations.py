@@ -80,6 +80,7 @@ class LoadStats:
     num_unknown_role_turns: int = 0  # turns dropped: speaker not in the role table
     num_empty_turns: int = 0  # turns dropped: text missing, not a string, or blank
     num_missing_images: int = 0  # skipped: image file does not exist
+    first_missing_image: str = ""  # the path of the first one
     truncated_tail_chars: int = 0  # characters of an incomplete final record that were dropped
     seconds: float = 0.0
     unknown_roles: set[str] = field(default_factory=set)
@@ -296,6 +297,7 @@ def parse_record(record: Any, index: int, source: str, image_root: Path | None,
         image_path = Path(raw_image) if os.path.isabs(raw_image) else image_root / raw_image
         if not image_path.is_file():
             if stats.num_missing_images == 0:
+                stats.first_missing_image = str(image_path)
                 logger.warning("%s: image not found: %s (records with missing images are skipped)",
                                source, image_path)
             stats.num_missing_images += 1
@@ -355,8 +357,16 @@ def read_conversations(spec: str, limit: int | None = None,
     stats.num_conversations = len(conversations)
     stats.seconds = time.perf_counter() - start
     if not conversations:
-        raise UserError(_no_records_message(path, fmt, stats))
+        raise UserError(missing_images_message(path, stats, root) if stats.num_missing_images else
+                        _no_records_message(path, fmt, stats))
     return conversations, stats
+
+
+def missing_images_message(path: Path, stats: LoadStats, image_root: Path | None) -> str:
+    """One line for records whose image file is not there: how many, the first path, where they were looked for."""
+    return (f"{path}: {stats.num_missing_images} record(s) name an image that is not there (first: "
+            f"{stats.first_missing_image}); relative paths are read under {image_root}: set image_root to the folder "
+            f"that holds them (LLaVA-Instruct names bare COCO train2017 files), or remove those records")
 
 
 def load_conversations(spec: str, limit: int | None = None,

@@ -143,10 +143,19 @@ class ViSpecLayout(Eagle1Layout):
     description = "a ViSpec drafter (EAGLE-1 layout with imadpt.* and img_fc.*)"
     extra_keys = ("imadpt.q", "imadpt.k_proj.weight", "imadpt.v_proj.weight", "imadpt.o_proj.weight", "img_fc.weight")
     bias_keys = ("fc.bias", "img_fc.bias")
-    released: ClassVar[dict[str, str]] = {  # ViSpec's authors released no LLaVA-1.5-13B drafter
+    released: ClassVar[dict[str, str]] = {
         "llava-1.5-7b": "JLKang/ViSpec-llava-1.5-7b-hf",
         "llava-hf/llava-1.5-7b-hf": "JLKang/ViSpec-llava-1.5-7b-hf",
+        # ViSpec's authors released no LLaVA-1.5-13B drafter: their LLaVA-1.6-Vicuna-13B one reads the same
+        # Vicuna-13B language model (its widths are checked against the target when it loads)
+        "llava-1.5-13b": "JLKang/ViSpec-llava-v1.6-vicuna-13b-hf",
+        "llava-hf/llava-1.5-13b-hf": "JLKang/ViSpec-llava-v1.6-vicuna-13b-hf",
     }
+    released_notes: ClassVar[dict[str, str]] = dict.fromkeys(
+        ("llava-1.5-13b", "llava-hf/llava-1.5-13b-hf"),
+        "ViSpec's authors released no LLaVA-1.5-13B drafter; starting from their LLaVA-1.6-Vicuna-13B one "
+        "(JLKang/ViSpec-llava-v1.6-vicuna-13b-hf), which reads the same Vicuna-13B language model (hidden 5120, "
+        "40 layers); its widths and vocabulary are checked against the target before training")
 
     def extra_sizes(self, state: dict[str, Tensor], raw: dict, path: Path) -> dict:
         queries = state["imadpt.q"]

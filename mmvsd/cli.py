@@ -100,6 +100,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", help="output folder: becomes a drafter folder for `mmvsd generate --drafter`")
     p.add_argument("--config", help="YAML file of TrainConfig settings (see configs/)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan (parameters, data, steps, memory per GPU, disk, the accelerate launch "
+                        "command) without loading weights or writing anything")
+    p.add_argument("--gpus", type=_positive_int, default=8, help="GPUs the --dry-run plan's command uses (default 8)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. max_steps=100 loss.num_samples=8")
 
 
@@ -388,6 +392,11 @@ def run_train(args: argparse.Namespace) -> None:
 
     flags = {k: getattr(args, k) for k in ("target", "drafter", "init", "objective", "data", "output")}
     config = load_train_config(args.config, flags, args.overrides)
+    if args.dry_run:
+        from mmvsd.training.plan import describe_plan  # CLI start-up: loaded per command
+
+        print(describe_plan(config, args.argv, args.gpus))
+        return
     from accelerate import PartialState  # loaded by the trainer already
 
     out_dir = train(config, resume=args.resume)
@@ -434,6 +443,7 @@ COMMANDS = {"generate": run_generate, "train": run_train, "prepare": run_prepare
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed (the --dry-run plan repeats it)
     overrides = [item for item in extra if "=" in item and not item.startswith("-")]
     if len(overrides) != len(extra) or (overrides and not hasattr(args, "overrides")):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

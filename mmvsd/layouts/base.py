@@ -38,6 +38,8 @@ class Layout:
     name: ClassVar[str] = ""
     drafter_type: ClassVar[str] = ""  # our drafter architecture it holds ("" for any of ours)
     released: ClassVar[dict[str, str]] = {}  # target name -> HF repo id of the released drafter
+    # target name -> what to tell a user whose target's entry in `released` was made for another target
+    released_notes: ClassVar[dict[str, str]] = {}
 
     serving_note: ClassVar[str] = ""  # who reads this layout, said when a drafter cannot be exported to it
     detect_first: ClassVar[bool] = False  # `detect` relies on an unambiguous config.json marker

@@ -33,6 +33,8 @@ class TrainConfig:
     init: str = "none"  # none | drafter folder | LAYOUT (released for the target) | LAYOUT:PATH
     objective: str = "ce"  # ce | vsd (ablation: no KL half) | vsd-kl | ce+vsd (the paper's recipe)
     data: str = "sharegpt"  # sharegpt, sharegpt:PATH, llava-instruct:PATH or a file; SPEC+SPEC mixes them
+    image_root: str = ""  # where the data's relative image paths are ("": each data file's folder); LLaVA-Instruct
+    # names bare COCO files (000000033471.jpg): set image_root=/data/coco/train2017
     adapter: str = ""  # modality adapter for conversations with images ("": the first that fits the target)
     media_curriculum: str = "auto"  # auto (the drafter's default) | on | off: text first, then media (MSD)
     output: str = ""

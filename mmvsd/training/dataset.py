@@ -64,10 +64,13 @@ def data_specs(data: str) -> list[str]:
 def load_examples(
     target: Target, data: str, *, num_conversations: int, max_length: int, validation_fraction: float, seed: int,
     regenerate: str = "none", regenerate_max_new_tokens: int = 512, regenerate_cache: Path | None = None,
-    regenerate_batch_size: int = 64, progress: bool = True, adapter: str = "",
+    regenerate_batch_size: int = 64, progress: bool = True, adapter: str = "", image_root: str = "",
 ) -> ExampleSplit:
-    """Read `data`, split it deterministically by `seed`, regenerate answers if asked, render."""
-    conversations = [conv for spec in data_specs(data) for conv in load_conversations(spec, limit=num_conversations or None)]
+    """Read `data` (relative image paths under `image_root`, else each file's folder), split it deterministically by
+    `seed`, regenerate answers if asked, render."""
+    root = image_root or None
+    conversations = [conv for spec in data_specs(data)
+                     for conv in load_conversations(spec, limit=num_conversations or None, image_root=root)]
     train_convs, validation_convs = split_conversations(conversations, validation_fraction, seed)
     if regenerate != "none":
         images = any(conv.image is not None for conv in train_convs)

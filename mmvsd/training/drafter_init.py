@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -57,6 +58,9 @@ def resolve_init(spec: str, target_name: str) -> InitSource | None:
 def released_folder(layout: Layout, target_name: str) -> Path:
     """The local HF-cache snapshot of the drafter released in `layout` for `target_name`."""
     repo_id = layout.released.get(target_name)
+    note = layout.released_notes.get(target_name)
+    if note is not None:
+        print(f"mmvsd: note: {note}", file=sys.stderr, flush=True)
     if repo_id is None:
         known = ", ".join(sorted(layout.released)) or "none"
         raise UserError(f"no released {layout.name} drafter is known for target {target_name!r} (known targets: "

@@ -100,13 +100,17 @@ def plan_feature_cache(
     if shard_size < 1:
         raise ValueError(f"shard_size must be positive, got {shard_size}")
     itemsize = storage_dtype(dtype, target).itemsize
-    width = (len(target.aux_layer_ids) + 1) * target.hidden_size  # features F + target_hidden H
     num_tokens = sum(len(ex.input_ids) for ex in examples)
     num_shards = -(-len(examples) // shard_size)
-    per_token = width * itemsize + 8 + 1  # features + hidden, int64 id, bool mask
+    per_token = feature_bytes_per_token(len(target.aux_layer_ids), target.hidden_size, itemsize)
     per_shard = SHARD_HEADER_BYTES + 8  # header + the extra offsets entry
     num_bytes = num_tokens * per_token + 8 * len(examples) + num_shards * per_shard + MANIFEST_BYTES
     return CachePlan(len(examples), num_tokens, num_shards, num_bytes)
+
+
+def feature_bytes_per_token(num_aux_layers: int, hidden_size: int, itemsize: int) -> int:
+    """Bytes one token row takes in a shard: features F and target_hidden H, its int64 id and bool mask."""
+    return (num_aux_layers + 1) * hidden_size * itemsize + 8 + 1
 
 
 def shard_name(index: int) -> str:

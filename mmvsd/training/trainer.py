@@ -28,7 +28,7 @@ import torch
 import yaml
 from tqdm import tqdm
 
-from mmvsd.data.conversations import parse_dataset_spec
+from mmvsd.data.conversations import missing_images_message, parse_dataset_spec, read_conversations
 from mmvsd.decoding.tree import TreeShape
 from mmvsd.drafter_base import Drafter, drafter_class
 from mmvsd.errors import UserError
@@ -325,7 +325,7 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
     if resume_from is not None:
         check_resume_config(resume_from, config)
     if config.features == "online":
-        check_dataset_exists(config.data)
+        check_dataset_exists(config.data, config.image_root, config.num_conversations)
     check_init(config)
     accelerator, split = _accelerator(config, out_dir)
     state = TrainState(num_processes=split.num_processes, global_batch=split.global_size)
@@ -380,12 +380,20 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
     return out_dir
 
 
-def check_dataset_exists(data: str) -> None:
-    """Fail before loading a target when a dataset file is not there."""
+def check_dataset_exists(data: str, image_root: str = "", num_conversations: int = 0) -> None:
+    """Fail before loading a target when a dataset file, the image root or an image a record names is not there."""
+    if image_root and not Path(image_root).expanduser().is_dir():
+        raise UserError(f"image_root {image_root} is not a folder")
     for spec in data_specs(data):
         _, path = parse_dataset_spec(spec)
-        if path is not None and not path.exists():
+        if path is None:
+            continue
+        if not path.exists():
             raise UserError(f"dataset file not found: {path}")
+        root = Path(image_root).expanduser() if image_root else path.parent
+        _, stats = read_conversations(spec, limit=num_conversations or None, image_root=root)
+        if stats.num_missing_images:
+            raise UserError(missing_images_message(path, stats, root))
 
 
 def _postfix(metrics: dict[str, float], monitor=None) -> dict[str, str]:
@@ -514,6 +522,7 @@ def config_examples(config: TrainConfig, target: Target) -> ExampleSplit:
         regenerate_max_new_tokens=config.regenerate_max_new_tokens,
         regenerate_cache=Path(config.regenerate_cache) if config.regenerate_cache else None,
         regenerate_batch_size=config.regenerate_batch_size, progress=config.progress, adapter=config.adapter,
+        image_root=config.image_root,
     )
 
 

@@ -1,0 +1,246 @@
+"""`mmvsd train --dry-run`: what a run will train, on what, for how long, and what it needs per GPU, offline.
+
+No weights are loaded and nothing is written: the target and the drafter are built on the meta device from
+configs (shipped full-size ones for the LLaVA-1.5 names in `configs/targets/`, a folder's config.json, a
+GGUF built-in's converted folder), so their parameter counts are exact. The data files are read for their
+record counts. Memory per GPU is a model:
+
+- weights and training state (exact from the counts): the frozen target in `target_dtype`; the drafter's
+  trainable parameters with fp32 master weights, fp32 gradients and AdamW's two fp32 moments, plus DDP's
+  gradient buckets (20 bytes per parameter); under ZeRO-2 in bf16, bf16 weights and gradients on every GPU
+  and the fp32 master weights, moments and gradient partition shared across the N GPUs (4 + 16 / N bytes);
+- activations (an upper bound for one micro-batch at `max_length`, as if every position were a loss position): the
+  target features and KV cache kept for the step, the target's logits, and the drafter's unrolled steps with
+  their fp32 log-probabilities over the draft vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import mmvsd.configs
+from mmvsd.data.conversations import parse_dataset_spec, read_conversations
+from mmvsd.drafter_base import drafter_class
+from mmvsd.errors import UserError
+from mmvsd.target import Target
+from mmvsd.target_loader import builtin_targets, resolve_target_folder
+from mmvsd.training.config import TrainConfig
+from mmvsd.training.dataset import data_specs
+from mmvsd.training.drafter_init import resolve_init
+from mmvsd.training.feature_cache import feature_bytes_per_token
+from mmvsd.training.trainer import check_dataset_exists
+
+TARGET_CONFIGS = Path(mmvsd.configs.__file__).parent / "targets"  # full-size configs of the LLaVA-1.5 names
+ZERO2 = Path(mmvsd.configs.__file__).parent / "accelerate_zero2.yaml"
+DEEPSPEED_JSON = Path(mmvsd.configs.__file__).parent / "deepspeed_zero2.json"
+GPU_COUNTS = (1, 2, 4, 8)
+DDP_BYTES = 4 + 4 + 8 + 4  # fp32 weights, fp32 gradients, AdamW's two moments, DDP's gradient buckets
+ZERO2_REPLICATED, ZERO2_SHARDED = 2 + 2, 4 + 8 + 4  # bf16 weights + gradients; fp32 master, moments, gradients
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+CHARS_PER_TOKEN = 4  # English chat text in a LLaMA-family tokenizer, roughly (the tokenizer is not loaded)
+GB = 1e9
+GPU_BYTES = 80 * GB  # an A100 / H100
+
+
+def target_config_path(spec: str) -> Path:
+    """A config.json for `spec` without loading weights: shipped (LLaVA-1.5 names), a folder's, a GGUF built-in's."""
+    builtin = builtin_targets().get(spec)
+    names = [spec] + ([builtin.hf_id] if builtin is not None and builtin.hf_id else [])
+    for name in names:
+        shipped = TARGET_CONFIGS / f"{name.rsplit('/', 1)[-1].removesuffix('-hf')}.json"
+        if shipped.is_file():
+            return shipped
+    folder = Path(spec).expanduser()
+    if folder.is_dir() and not (folder / "config.json").is_file():
+        raise UserError(f"--dry-run: {folder} has no config.json to plan with")
+    return resolve_target_folder(spec) / "config.json"  # a clear error for an unknown name
+
+
+def meta_target(spec: str) -> tuple[Target, Path]:
+    """The target built on the meta device from its config (no weights), and the config's path."""
+    import transformers  # heavy: only a plan needs the model classes
+
+    path = target_config_path(spec)
+    raw = {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_comment")}
+    architecture = (raw.get("architectures") or [""])[0]
+    model_class = getattr(transformers, architecture, None)
+    if model_class is None:
+        raise UserError(f"--dry-run: {path} names no transformers model class ({architecture!r})")
+    config = transformers.AutoConfig.for_model(**raw)
+    with torch.device("meta"):
+        model = model_class(config)
+    return Target(model, None, spec), path
+
+
+def parameter_groups(target: Target) -> dict[str, int]:
+    """Parameters of the target by part: language model, vision tower, projector (multimodal targets)."""
+    model = target.model
+    groups = {"vision tower": getattr(model.model, "vision_tower", None),
+              "projector": getattr(model.model, "multi_modal_projector", None)}
+    counts = {name: count(module) for name, module in groups.items() if module is not None}
+    return {"language model": count(model) - sum(counts.values()), **counts}
+
+
+def count(module: torch.nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """Bytes per GPU for N GPUs (see the module docstring)."""
+
+    target: int
+    ddp_state: int
+    zero2_state: int
+    activations: int
+
+    @property
+    def ddp(self) -> int:
+        return self.target + self.ddp_state + self.activations
+
+    @property
+    def zero2(self) -> int:
+        return self.target + self.zero2_state + self.activations
+
+
+def gpu_memory(target_params: int, drafter_params: int, config: TrainConfig, target: Target, draft_vocab: int,
+               num_gpus: int, image_tokens: int) -> GpuMemory:
+    weights = target_params * DTYPE_BYTES[config.target_dtype]
+    zero2 = ZERO2_REPLICATED * drafter_params + math.ceil(ZERO2_SHARDED * drafter_params / num_gpus)
+    return GpuMemory(weights, DDP_BYTES * drafter_params, zero2, activation_bytes(config, target, draft_vocab))
+
+
+def activation_bytes(config: TrainConfig, target: Target, draft_vocab: int) -> int:
+    """An estimate of one micro-batch's activations at max_length (module docstring)."""
+    text = target.model.config.get_text_config(decoder=True)
+    rows, hidden, half = config.batch_size * config.max_length, target.hidden_size, 2
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or hidden // text.num_attention_heads
+    features = rows * (len(target.aux_layer_ids) + 1) * hidden * half
+    kv_cache = rows * 2 * target.num_layers * kv_heads * head_dim * half
+    target_logits = rows * target.vocab_size * half + rows * draft_vocab * 4
+    # each unrolled drafter step: its layer's activations kept for backward (~12 H + 3 I wide, in the training
+    # precision) and the fp32 log-probabilities with their softmax over the draft vocabulary
+    width = 12 * hidden + 3 * text.intermediate_size
+    per_step = rows * width * DTYPE_BYTES[config.precision] + rows * draft_vocab * 4 * 2
+    return features + kv_cache + target_logits + config.loss.ttt_steps * per_step
+
+
+@dataclass(frozen=True)
+class DataPlan:
+    examples: int
+    about_tokens: int  # an estimate from characters (and image tokens), each example capped at max_length
+    lines: list[str]
+
+
+def data_plan(config: TrainConfig, image_tokens: int) -> DataPlan:
+    """Record counts of each dataset of the mixture (read, not rendered: the tokenizer is not loaded)."""
+    examples = tokens = 0
+    lines = []
+    for spec in data_specs(config.data):
+        _, path = parse_dataset_spec(spec)
+        if path is not None and not path.exists():
+            raise UserError(f"dataset file not found: {path}")
+        root = image_root(config, path)
+        limit = config.num_conversations or None
+        conversations, stats = read_conversations(spec, limit=limit, image_root=root)
+        chars = [sum(len(turn.text) for turn in conv.turns) for conv in conversations]
+        images = sum(1 for conv in conversations if conv.image)
+        tokens += sum(min(config.max_length, c // CHARS_PER_TOKEN + (image_tokens if conv.image else 0))
+                      for c, conv in zip(chars, conversations, strict=True))
+        examples += len(conversations)
+        where = f", images under {root}" if images or stats.num_missing_images else ""
+        missing = f" ({stats.num_missing_images} with a missing image)" if stats.num_missing_images else ""
+        lines.append(f"{spec}: {len(conversations)} conversations, {images} with an image{missing}{where}")
+    train = examples - round(examples * config.validation_fraction)
+    return DataPlan(train, round(tokens * train / max(1, examples)), lines)
+
+
+def image_root(config: TrainConfig, path: Path | None) -> Path | None:
+    """Where a dataset's relative image paths are resolved: `image_root`, else the file's folder."""
+    if path is None:
+        return None
+    return Path(config.image_root).expanduser() if config.image_root else path.parent
+
+
+def launch_command(argv: list[str], num_gpus: int) -> str:
+    """The `accelerate launch` command of this run on `num_gpus` GPUs with ZeRO-2."""
+    args, skip = [], False
+    for arg in argv:
+        if not skip and arg != "--dry-run" and not arg.startswith("--gpus"):
+            args.append(arg)
+        skip = arg == "--gpus"  # its value follows
+    return shlex.join(["accelerate", "launch", "--config_file", str(ZERO2), "--deepspeed_config_file",
+                       str(DEEPSPEED_JSON), "--num_processes", str(num_gpus), "-m", "mmvsd", *args])
+
+
+def describe_plan(config: TrainConfig, argv: list[str], num_gpus: int) -> str:
+    """The plan `mmvsd train --dry-run` prints."""
+    target, config_path = meta_target(config.target)
+    groups = parameter_groups(target)
+    target_params = sum(groups.values())
+    init = resolve_init_offline(config)
+    drafter = drafter_class(config.drafter).from_target(target, draft_vocab_size=config.draft_vocab_size)
+    trainable = count(drafter, trainable_only=True)
+    draft_vocab = drafter.draft_vocab_size
+    vision = getattr(target.model.config, "vision_config", None)
+    image_tokens = (vision.image_size // vision.patch_size) ** 2 if vision is not None else 0
+    data = None
+    if config.features == "online":
+        check_dataset_exists(config.data, config.image_root, config.num_conversations)
+        data = data_plan(config, image_tokens)
+    lines = [f"mmvsd train --dry-run: nothing loaded, nothing written (config: {config_path})",
+             f"target   {config.target}: {target_params / GB:.2f} B parameters ("
+             + ", ".join(f"{name} {n / GB:.3f} B" for name, n in groups.items())
+             + f"); hidden {target.hidden_size}, {target.num_layers} layers, vocabulary {target.vocab_size}; "
+             f"computes in {config.target_dtype}",
+             f"drafter  {config.drafter}: {trainable / 1e6:.1f} M trainable parameters (embeddings: the target's), "
+             f"draft vocabulary {draft_vocab}; init: {init}",
+             f"objective {config.objective}; precision {config.precision}; features {config.features}"]
+    global_batch = config.global_batch_size or config.batch_size * num_gpus
+    if data is not None:
+        lines += [f"data     {line}" for line in data.lines]
+        steps = config.max_steps or max(1, math.ceil(config.epochs * math.ceil(data.examples / global_batch))
+                                        // config.grad_accum)
+        per_token = feature_bytes_per_token(len(target.aux_layer_ids), target.hidden_size, 2)
+        lines += [f"steps    {steps} optimizer steps of {global_batch * config.grad_accum} examples ({num_gpus} GPUs x "
+                  f"{global_batch // num_gpus} x grad_accum {config.grad_accum}) over {data.examples} training "
+                  f"examples, {config.epochs:g} epoch(s); about {data.about_tokens / 1e6:.1f} M tokens per epoch",
+                  f"disk     offline features (`mmvsd prepare`, bf16): about {data.about_tokens * per_token / GB:.0f} "
+                  f"GB; each checkpoint {12 * trainable / GB:.2f} GB (x keep_checkpoints={config.keep_checkpoints})"]
+    lines.append("memory   per GPU (weights and optimizer state exact; activations an upper bound for batch_size "
+                 f"{config.batch_size} at {config.max_length} tokens):")
+    for gpus in GPU_COUNTS:
+        memory = gpu_memory(target_params, trainable, config, target, draft_vocab, gpus, image_tokens)
+        lines.append(f"         {gpus} GPU(s): DDP {memory.ddp / GB:.1f} GB, ZeRO-2 {memory.zero2 / GB:.1f} GB "
+                     f"(target {memory.target / GB:.1f} + drafter state {memory.ddp_state / GB:.2f} | "
+                     f"{memory.zero2_state / GB:.2f} + activations ~{memory.activations / GB:.1f})")
+    memory = gpu_memory(target_params, trainable, config, target, draft_vocab, num_gpus, image_tokens)
+    per_example = memory.activations / config.batch_size
+    fits = int((GPU_BYTES - memory.target - memory.zero2_state) // per_example) if per_example else config.batch_size
+    if memory.zero2 > GPU_BYTES:
+        hint = (f"batch_size {fits} fits (or a shorter max_length); DeepSpeed steps on every micro-batch here, so the "
+                f"global batch becomes {fits} x {num_gpus}" if fits >= 1 else
+                "the target and the drafter's state alone exceed it")
+        lines.append(f"note     {num_gpus} x 80 GB GPUs with ZeRO-2 do not hold this plan's upper bound: {hint}")
+    lines.append(f"run      {launch_command(argv, num_gpus)}")
+    return "\n".join(lines)
+
+
+def resolve_init_offline(config: TrainConfig) -> str:
+    """Where `--init` points, said without failing when a released drafter is not in the HF cache."""
+    if config.init == "none":
+        return "none (a fresh drafter)"
+    try:
+        source = resolve_init(config.init, config.target)
+    except UserError as err:
+        if "not in the local HF cache" not in str(err):
+            raise
+        return f"{config.init}: NOT READY: {err}"
+    return f"{config.init} -> {source.path} ({source.layout.name} layout)"

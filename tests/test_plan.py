@@ -1,0 +1,132 @@
+"""`mmvsd train --dry-run` for the full-size LLaVA-1.5 targets (meta device, offline), `--init vispec` for
+LLaVA-1.5-13B from ViSpec's LLaVA-1.6-Vicuna-13B release, and the image root of LLaVA-Instruct data."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+from mmvsd.cli import main
+from mmvsd.drafters import eagle1_layout
+from mmvsd.errors import UserError
+from mmvsd.layouts.registry import layout
+from mmvsd.training.plan import DDP_BYTES, GB, meta_target
+
+# LLaVA-1.5-13B as llava-hf publishes it (Vicuna-13B v1.5 + CLIP ViT-L/14 at 336 px), written out here
+VICUNA_13B = dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
+                  num_key_value_heads=40, vocab_size=32064, max_position_embeddings=4096)
+CLIP_L_336 = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                  image_size=336, patch_size=14, projection_dim=768)
+
+
+def direct_llava_13b_parameters() -> int:
+    config = LlavaConfig(text_config=LlamaConfig(**VICUNA_13B), vision_config=CLIPVisionConfig(**CLIP_L_336),
+                         image_token_index=32000)
+    with torch.device("meta"):
+        return sum(p.numel() for p in LlavaForConditionalGeneration(config).parameters())
+
+
+def vispec_13b_trainable(num_q: int = 2) -> int:
+    """ViSpec's trainable weights for Vicuna-13B, from its released names and shapes (RESOURCES.md)."""
+    h, i, heads, dim = 5120, 13824, 40, 128
+    eagle1 = h * 2 * h + h + 4 * h * heads * dim + 3 * h * i + h  # fc (+bias), q/k/v/o, MLP, post-attention norm
+    adaptor = num_q * heads * dim + 3 * h * heads * dim + h * 2 * h + h  # imadpt.q, k/v/o, img_fc (+bias)
+    return eagle1 + adaptor
+
+
+def test_the_headline_command_plans_offline(tmp_path, capsys):
+    out = tmp_path / "OUT"
+    argv = ["train", "--target", "llava-1.5-13b", "--init", "vispec", "--drafter", "vispec", "--config",
+            "llava_vispec_paper", "--output", str(out), "--dry-run", "--gpus", "8"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    text = captured.out
+    assert not out.exists()  # nothing written
+    assert "ViSpec's authors released no LLaVA-1.5-13B drafter" in captured.err
+    assert "JLKang/ViSpec-llava-v1.6-vicuna-13b-hf" in text and "vispec:PATH" in text  # not in the HF cache here
+    total = direct_llava_13b_parameters()
+    assert f"{total / GB:.2f} B parameters" in text and "hidden 5120, 40 layers, vocabulary 32064" in text
+    trainable = int(float(re.search(r"vispec: ([\d.]+) M trainable", text)[1]) * 1e6)
+    assert abs(trainable - vispec_13b_trainable()) < 0.05e6 * 2
+    eight = re.search(r"8 GPU\(s\): DDP [\d.]+ GB, ZeRO-2 [\d.]+ GB \(target ([\d.]+) \+ drafter state ([\d.]+) \| "
+                      r"([\d.]+)", text)
+    assert float(eight[1]) == pytest.approx(2 * total / GB, abs=0.06)  # bf16 target
+    assert float(eight[2]) == pytest.approx(DDP_BYTES * vispec_13b_trainable() / GB, abs=0.006)
+    assert float(eight[3]) == pytest.approx((4 + 16 / 8) * vispec_13b_trainable() / GB, abs=0.006)
+    run = text.splitlines()[-1]
+    assert "accelerate launch --config_file" in run and "--num_processes 8 -m mmvsd train --target llava-1.5-13b" in run
+    assert "--dry-run" not in run and "--gpus" not in run
+
+
+def test_the_7b_plan_and_bad_input(tmp_path, capsys):
+    assert main(["train", "--target", "llava-1.5-7b", "--drafter", "msd", "--output", str(tmp_path / "o"),
+                 "--dry-run", "max_steps=10"]) == 0
+    text = capsys.readouterr().out
+    assert "7.06 B parameters" in text and "hidden 4096, 32 layers" in text and "10 optimizer steps" in text
+    code = main(["train", "--target", "no-such-model", "--output", str(tmp_path / "x"), "--dry-run"])
+    assert code == 2 and "unknown target 'no-such-model'" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def released_13b_state(hidden: int = 5120, inter: int = 13824, heads: int = 40) -> dict[str, torch.Tensor]:
+    """ViSpec-llava-v1.6-vicuna-13b-hf's weight names and shapes, on the meta device (no embeddings)."""
+    dim = hidden // heads
+    shapes = {"fc.weight": (hidden, 2 * hidden), "fc.bias": (hidden,),
+              **{f"layers.0.self_attn.{p}_proj.weight": (heads * dim, hidden) for p in "qkv"},
+              "layers.0.self_attn.o_proj.weight": (hidden, heads * dim),
+              "layers.0.mlp.gate_proj.weight": (inter, hidden), "layers.0.mlp.up_proj.weight": (inter, hidden),
+              "layers.0.mlp.down_proj.weight": (hidden, inter), "layers.0.post_attention_layernorm.weight": (hidden,),
+              "imadpt.q": (2, heads, dim), "imadpt.k_proj.weight": (heads * dim, hidden),
+              "imadpt.v_proj.weight": (heads * dim, hidden), "imadpt.o_proj.weight": (hidden, heads * dim),
+              "img_fc.weight": (hidden, 2 * hidden), "img_fc.bias": (hidden,)}
+    return {k: torch.empty(s, dtype=torch.float16, device="meta") for k, s in shapes.items()}
+
+
+def released_13b_config(hidden: int = 5120, inter: int = 13824, heads: int = 40) -> dict:
+    return {"architectures": ["LlavaLlamaForCausalLM"], "model_type": "llava", "num_hidden_layers": 1,
+            "hidden_size": hidden, "intermediate_size": inter, "num_attention_heads": heads,
+            "num_key_value_heads": heads, "vocab_size": 32064, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+            "max_position_embeddings": 4096}
+
+
+def test_vispec_16_13b_release_loads_for_the_full_size_llava_15_13b(monkeypatch, tmp_path):
+    target, _ = meta_target("llava-1.5-13b")
+    release = {"config": released_13b_config(), "state": released_13b_state()}
+    monkeypatch.setattr(eagle1_layout, "read_config", lambda path: release["config"])
+    monkeypatch.setattr(eagle1_layout, "read_tensors", lambda path: dict(release["state"]))
+    with torch.device("meta"):  # the drafter too: 0.5 B parameters, never allocated
+        drafter = layout("vispec").load(tmp_path, target)
+    assert drafter.fc.weight.shape == (5120, 10240) and drafter.imadpt.q.shape == (2, 40, 128)
+    assert {k: tuple(v.shape) for k, v in drafter.state_dict().items() if k in release["state"]} == {
+        k: tuple(v.shape) for k, v in release["state"].items()}
+    # the 7B release (hidden 4096) for the 13B target: one clear error naming the widths
+    release.update(config=released_13b_config(4096, 11008, 32), state=released_13b_state(4096, 11008, 32))
+    with pytest.raises(UserError, match="hidden size 4096 != target's 5120"), torch.device("meta"):
+        layout("vispec").load(tmp_path, target)
+
+
+def write_llava_instruct(path, image: str) -> None:
+    path.write_text(json.dumps([{"id": "1", "image": image, "conversations": [
+        {"from": "human", "value": "<image>\nWhat is this?"}, {"from": "gpt", "value": "A cat on a mat."}]}]))
+
+
+def test_image_root_and_missing_images_are_clear_errors(tmp_path, capsys):
+    data = tmp_path / "llava_instruct.json"
+    write_llava_instruct(data, "000000033471.jpg")  # a bare COCO name, as LLaVA-Instruct records have
+    coco = tmp_path / "coco"
+    coco.mkdir()
+    common = ["train", "--target", "llava-1.5-7b", "--drafter", "vispec", "--data", f"llava-instruct:{data}",
+              "--output", str(tmp_path / "out"), "--dry-run"]
+    assert main([*common, f"image_root={tmp_path / 'nope'}"]) == 2
+    assert "image_root" in capsys.readouterr().err
+    assert main([*common, f"image_root={coco}"]) == 2
+    err = capsys.readouterr().err
+    assert "1 record(s) name an image that is not there" in err and str(coco / "000000033471.jpg") in err
+    (coco / "000000033471.jpg").write_bytes(b"jpeg")
+    assert main([*common, f"image_root={coco}"]) == 0
+    assert "1 conversations, 1 with an image, images under" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
