@@ -154,3 +154,25 @@ def test_too_large_a_global_batch_is_one_clear_error(runs, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
     assert main(["train", *common, "batch_size=2", "global_batch_size=4", "--output", str(tmp_path / "o")]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_the_zero2_config_resolves_and_receives_our_batch_settings():
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import DeepSpeedPlugin, DistributedType
+
+    from mmvsd.training.config import TrainConfig
+    from mmvsd.training.plan import DEEPSPEED_JSON, ZERO2
+
+    launch_config = load_config_from_file(str(ZERO2))
+    assert launch_config.distributed_type == DistributedType.DEEPSPEED and launch_config.mixed_precision == "bf16"
+    assert Path(launch_config.deepspeed_config["deepspeed_config_file"]).name == DEEPSPEED_JSON.name
+    plugin = DeepSpeedPlugin(hf_ds_config=str(DEEPSPEED_JSON))
+    assert plugin.zero_stage == 2
+    config = TrainConfig(global_batch_size=24, max_grad_norm=0.25)
+    trainer.fill_deepspeed_config(plugin.deepspeed_config, config, BatchSplit.of(1, 24, num_processes=8, rank=0))
+    assert plugin.deepspeed_config["train_micro_batch_size_per_gpu"] == 3
+    assert plugin.deepspeed_config["train_batch_size"] == 24
+    assert plugin.deepspeed_config["gradient_clipping"] == 0.25
+    assert plugin.deepspeed_config["gradient_accumulation_steps"] == 1
+    with pytest.raises(UserError, match="grad_accum=1"):
+        trainer.fill_deepspeed_config({}, TrainConfig(grad_accum=2), BatchSplit.of(1, 0, num_processes=1, rank=0))

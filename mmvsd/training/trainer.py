@@ -276,7 +276,7 @@ def _accelerator(config: TrainConfig, out_dir: Path):
     DeepSpeed, our batch settings fill its config."""
     from accelerate import Accelerator  # heavy (~0.4 s even after torch): only a training run needs it
     from accelerate.state import AcceleratorState  # likewise
-    from accelerate.utils import DistributedDataParallelKwargs
+    from accelerate.utils import DistributedDataParallelKwargs  # likewise
 
     # one process may train several times (notebooks, tests) with other precisions: AcceleratorState
     # is a process-wide singleton, so forget its settings (the distributed PartialState is kept)
