@@ -176,3 +176,9 @@ def test_the_zero2_config_resolves_and_receives_our_batch_settings():
     assert plugin.deepspeed_config["gradient_accumulation_steps"] == 1
     with pytest.raises(UserError, match="grad_accum=1"):
         trainer.fill_deepspeed_config({}, TrainConfig(grad_accum=2), BatchSplit.of(1, 0, num_processes=1, rank=0))
+
+
+def test_checkpoints_keep_the_drafter_names(runs):
+    root, _ = runs
+    saved = load_file(str(root / "ce" / "checkpoints" / "step-0000004" / "model.safetensors"))
+    assert set(saved) == set(weights(root / "ce"))  # as a drafter folder names them, no wrapper prefix

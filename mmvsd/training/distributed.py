@@ -99,6 +99,13 @@ class TrainingStep(nn.Module):
     def forward(self, batch, generator: torch.Generator, mean: Mean):
         return self.objective(self.drafter, self.target, batch, generator, mean)
 
+    # checkpoints hold the drafter's own names, as before this wrapper (and as single-process runs wrote them)
+    def state_dict(self, *args, **kwargs):
+        return self.drafter.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.drafter.load_state_dict(state_dict, strict=strict, assign=assign)
+
 
 def reduce_metrics(accelerator, metrics: dict[str, float]) -> dict[str, float]:
     """The mean of each metric over the processes (every process has the same keys)."""
