@@ -1,7 +1,8 @@
 """The built-in proposers, one file each, behind the core's interfaces (`mmvsd.decoding.proposer.Proposer`,
 `mmvsd.drafter_base.Drafter`): the neural architectures EAGLE-3 (`eagle3.py`), MSD and ViSpec (`msd.py`,
 `vispec.py`, on the EAGLE-1 layers of `eagle1.py`), the n-gram lookup (`ngram.py`) and the hybrid of a neural
-drafter with n-gram branches (`hybrid.py`); their released checkpoint layouts (`*_layout.py`); and what
+drafter with n-gram branches (`hybrid.py`), a draft model (`draft_model.py`: a smaller LM with the target's
+tokenizer); their released checkpoint layouts (`*_layout.py`); and what
 `--drafter` names (`spec.py`).
 
 Importing this package registers the architectures and layouts into the core's registries

@@ -23,7 +23,7 @@ class HybridDrafter:
 
     proposes_from_context = True  # its n-gram branches
 
-    def __init__(self, neural: Drafter, ngram: NgramDrafter) -> None:
+    def __init__(self, neural: Drafter, ngram: NgramDrafter) -> None:  # neural: or a `DraftModel`
         self.neural = neural
         self.ngram = ngram
         self.drafter_type = f"{neural.drafter_type}+ngram"

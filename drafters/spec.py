@@ -1,5 +1,6 @@
-"""What `--drafter SPEC` names: none, random, ngram[:options], default or a shipped drafter's name, or a
-drafter folder; a neural drafter gets n-gram branches in its trees unless asked not to."""
+"""What `--drafter SPEC` names: none, random, ngram[:options], model:DRAFT_MODEL, default or a shipped drafter's
+name, or a drafter folder; a neural drafter or a draft model gets n-gram branches in its trees unless asked not
+to."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from pathlib import Path
 
 from mmvsd.decoding.engine import pack_for_cpu
 from mmvsd.drafter_base import Drafter, drafter_class, load_drafter
+from mmvsd.drafters.draft_model import PREFIX as DRAFT_MODEL
+from mmvsd.drafters.draft_model import load_draft_model
 from mmvsd.drafters.hybrid import with_ngram
 from mmvsd.drafters.ngram import NgramDrafter, parse_ngram_spec
 from mmvsd.errors import UserError
@@ -14,13 +17,17 @@ from mmvsd.shipped import resolve_drafter
 
 
 def drafter_from_spec(spec: str, target, seed: int = 0, ngram: bool | None = None):
-    """What `--drafter` names: the n-gram (prompt-lookup) proposer for `ngram` or `ngram:key=value,...`,
-    else `neural_drafter_from_spec`, with n-gram branches in its trees unless `ngram` is False (None: on).
-    Returns None (plain decoding), a `Drafter`, an `NgramDrafter` or a `HybridDrafter`."""
+    """What `--drafter` names: the n-gram (prompt-lookup) proposer for `ngram` or `ngram:key=value,...`, a draft
+    model for `model:NAME|DIR|FILE.gguf`, else `neural_drafter_from_spec`, with n-gram branches in its trees
+    unless `ngram` is False (None: on). Returns None (plain decoding), a `Drafter`, a `DraftModel`, an
+    `NgramDrafter` or a `HybridDrafter`."""
     check_ngram_options(spec, ngram)
     if spec == "none" or spec.partition(":")[0] == "ngram":
         return None if spec == "none" else NgramDrafter(parse_ngram_spec(spec))
-    drafter = neural_drafter_from_spec(spec, target, seed)
+    if spec.startswith(DRAFT_MODEL):
+        drafter = load_draft_model(spec, target)
+    else:
+        drafter = neural_drafter_from_spec(spec, target, seed)
     if ngram is False:
         return drafter
     return with_ngram(drafter)

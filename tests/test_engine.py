@@ -102,12 +102,33 @@ def inject_row_dependent_kernel(monkeypatch, above: int, strength: float = 0.02)
     monkeypatch.setattr(engine.RowChunkedLinear, "_rows", kernel)
 
 
-@pytest.mark.parametrize("above,expected", [(1, 1), (5, 5), (12, 12), (100, 32)])
+# a lone row goes into the kernel twice (pad_single), so a kernel that changes results beyond 1 row still gives
+# blocks of 2 the bits of single rows
+@pytest.mark.parametrize("above,expected", [(1, 2), (5, 5), (12, 12), (100, 32)])
 def test_the_bound_is_where_the_kernel_stops_giving_the_same_bits(monkeypatch, above, expected):
     inject_row_dependent_kernel(monkeypatch, above)
     target = bf16_target()
     engine.install_exact_engine(target, rows=max(engine.ROW_CANDIDATES), pack=False)
     assert engine.measure_exact_rows(target, context=12) == expected
+
+
+def test_a_kernel_that_treats_one_row_apart_keeps_the_full_bound(monkeypatch):
+    """What Qwen2.5-1.5B's 8960-wide down projection does here: one row takes another kernel, 2..32 rows agree.
+    Single rows padded to two give the bound 32; without the padding it would be 1."""
+    real = engine.RowChunkedLinear._rows
+
+    def kernel(self, x):
+        out = real(self, x)
+        return out * 1.03 if x.reshape(-1, self.in_features).shape[0] == 1 else out
+
+    monkeypatch.setattr(engine.RowChunkedLinear, "_rows", kernel)
+    target = bf16_target()
+    engine.install_exact_engine(target, rows=max(engine.ROW_CANDIDATES), pack=False)
+    assert engine.measure_exact_rows(target, context=12) == 32
+    for module in target.model.modules():
+        if isinstance(module, engine.RowChunkedLinear):
+            module.pad_single = False
+    assert engine.measure_exact_rows(target, context=12) == 1
 
 
 def test_the_measured_bound_makes_bf16_decoding_equal_vanilla(monkeypatch, fitted_drafter):

@@ -102,11 +102,12 @@ def measure_verify_steps(target: Target, cache: RaggedCache, need_aux: bool, tok
     return tuple(typical(samples[n]) for n in tokens)
 
 
-def _draft_inputs(drafter, out, ids: Tensor, width: int) -> DraftInputs:
-    """The drafter's pairs for the first `width` prefill positions."""
+def _draft_inputs(drafter, out, ids: Tensor, width: int, first: bool = False) -> DraftInputs:
+    """The drafter's pairs for the first `width` prefill positions (`first`: as a prefill gives them)."""
     features = drafter.target_features(out.aux_hidden, out.last_hidden)[:, :width]
     next_ids = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)[:, :width]
-    return DraftInputs(features, next_ids, torch.full((ids.shape[0],), width, dtype=torch.long, device=ids.device))
+    num_new = torch.full((ids.shape[0],), width, dtype=torch.long, device=ids.device)
+    return DraftInputs(features, next_ids, num_new, first_ids=ids[:, 0] if first else None)
 
 
 def _measure_drafter(drafter, target: Target, out, ids: Tensor, widths: tuple[int, ...], repeats: int,
@@ -117,7 +118,7 @@ def _measure_drafter(drafter, target: Target, out, ids: Tensor, widths: tuple[in
     one step's fixed work (advance 3 pairs, root candidates), then one first expansion per width."""
     batch, context = ids.shape
     device = target.device
-    prompt_inputs = _draft_inputs(drafter, out, ids, context - ACCEPTED_PAIRS)
+    prompt_inputs = _draft_inputs(drafter, out, ids, context - ACCEPTED_PAIRS, first=True)
     step_inputs = _draft_inputs(drafter, out, ids, ACCEPTED_PAIRS)
 
     def fixed_step(session) -> None:

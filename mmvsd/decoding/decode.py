@@ -207,7 +207,8 @@ def speculative_generate(
     next_ids = torch.cat([ids[:, 1:], ids[:, :1]], dim=1)
     next_ids[rows, lens - 1] = roots
     session = drafter.new_session(len(prompts))
-    session.advance(DraftInputs(drafter.target_features(out.aux_hidden, out.last_hidden), next_ids, lens, media))
+    features = drafter.target_features(out.aux_hidden, out.last_hidden)
+    session.advance(DraftInputs(features, next_ids, lens, media, first_ids=ids[:, 0]))
     light = session.light_expander() if chooser is not None else None  # n-gram branches alone, if any
     light_plan = plan.without_drafter() if light is not None else None
     for row, token in enumerate(roots.tolist()):

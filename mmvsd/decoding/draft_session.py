@@ -29,6 +29,8 @@ class DraftInputs:
     next_ids: Tensor  # [B, A] the token that follows each position
     num_new: Tensor  # [B] valid pairs per row (rows are right-padded)
     media: PairMedia | None = None  # media at the following tokens (prompts with images), else None
+    first_ids: Tensor | None = None  # [B] the token before the first pair (a prompt's first token, at prefill):
+    # proposers that read tokens rather than features (a draft model) start their context with it
 
 
 class DraftSession:
@@ -105,7 +107,13 @@ class DraftSession:
         """Keep only batch rows `rows` (finished sequences leave the batch)."""
         self.cache.select_rows(rows)
         self.last_hidden = self.last_hidden[rows]
-        self.deferred = [DraftInputs(i.features[rows], i.next_ids[rows], i.num_new[rows]) for i in self.deferred]
+        self.deferred = [select_pairs(i, rows) for i in self.deferred]
+
+
+def select_pairs(inputs: DraftInputs, rows: Tensor) -> DraftInputs:
+    """The pairs of batch rows `rows` (media-free pairs: those a session may hold back)."""
+    first = None if inputs.first_ids is None else inputs.first_ids[rows]
+    return DraftInputs(inputs.features[rows], inputs.next_ids[rows], inputs.num_new[rows], first_ids=first)
 
 
 def concat_pairs(items: list[DraftInputs]) -> DraftInputs:
@@ -126,4 +134,4 @@ def concat_pairs(items: list[DraftInputs]) -> DraftInputs:
         features[rows, dest] = item.features[rows, src]
         next_ids[rows, dest] = item.next_ids[rows, src]
         offset = offset + item.num_new
-    return DraftInputs(features, next_ids, num_new)
+    return DraftInputs(features, next_ids, num_new, first_ids=first.first_ids)

@@ -49,7 +49,7 @@ EXACT_ATTENTION = "mmvsd_exact"
 ROW_CANDIDATES = (2, 3, 4, 5, 6, 8, 12, 16, 24, 32)  # verify-step sizes the bound is checked at
 HALF = (torch.bfloat16, torch.float16)
 QUERY_CHUNK = 256  # queries per float64 attention product (bounds a long prefill's memory)
-ENGINE_VERSION = "2"  # in cached choices and, through `Target.engine`, in cost profiles
+ENGINE_VERSION = "3"  # in cached choices and, through `Target.engine`, in cost profiles
 
 
 def exact_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -114,11 +114,16 @@ def _packing_available() -> bool:
 class RowChunkedLinear(nn.Module):
     """A linear layer computed `rows` rows at a time (so every row meets a kernel this CPU gives row-count-
     independent bits), by oneDNN's prepacked kernel when `pack` (the plain weight is then kept only with
-    `keep_weight`, for code that reads it: a tied LM head, a drafter's layers)."""
+    `keep_weight`, for code that reads it: a tied LM head, a drafter's layers). With `pad_single`, a kernel is
+    never called with one row: a lone row goes in twice. One-row calls may take another kernel (a
+    matrix-vector product) whose bits differ from those of the same row among others: seen for the 8960-wide
+    down projection of Qwen2.5-1.5B, where 2..32 rows all agree and 1 row does not."""
 
-    def __init__(self, linear: nn.Linear, rows: int, pack: bool, keep_weight: bool = False) -> None:
+    def __init__(self, linear: nn.Linear, rows: int, pack: bool, keep_weight: bool = False,
+                 pad_single: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features, self.rows = linear.in_features, linear.out_features, rows
+        self.pad_single = pad_single
         self.bias = linear.bias
         self.packed = None
         if pack:
@@ -131,11 +136,17 @@ class RowChunkedLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
+    def _chunk(self, part: Tensor) -> Tensor:
+        if self.pad_single and part.shape[0] == 1:
+            return self._rows(torch.cat([part, part]))[:1]
+        return self._rows(part)
+
     def forward(self, x: Tensor) -> Tensor:
-        if x.numel() <= self.rows * self.in_features:
-            return self._rows(x)
         flat = x.reshape(-1, self.in_features)
-        out = torch.cat([self._rows(part) for part in flat.split(self.rows)])
+        if flat.shape[0] <= self.rows:
+            out = self._chunk(flat)
+        else:
+            out = torch.cat([self._chunk(part) for part in flat.split(self.rows)])
         return out.view(*x.shape[:-1], self.out_features)
 
 
@@ -184,7 +195,8 @@ def pack_for_cpu(module: nn.Module) -> bool:
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16:
-                setattr(parent, name, RowChunkedLinear(child, rows=1 << 30, pack=True, keep_weight=True))
+                setattr(parent, name, RowChunkedLinear(child, rows=1 << 30, pack=True, keep_weight=True,
+                                                       pad_single=False))
     return True
 
 

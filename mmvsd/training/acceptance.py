@@ -292,7 +292,7 @@ def _walk(drafter: Proposer, replay: _Replay, shape: ShapePlan, report: Acceptan
     session = drafter.new_session(batch)
     prompt_width = int(prompt_lens.max())
     session.advance(DraftInputs(replay.features[:, :prompt_width], seq_ids[:, 1 : prompt_width + 1], prompt_lens,
-                                replay.prompt_media))
+                                replay.prompt_media, first_ids=seq_ids[:, 0]))
     root_index = torch.zeros(batch, dtype=torch.long, device=seq_ids.device)  # continuation index of the root
     live = torch.arange(batch, device=seq_ids.device)  # original row of each session row
     while True:
