@@ -14,6 +14,7 @@ from mmvsd.drafters.hybrid import with_ngram
 from mmvsd.drafters.ngram import NgramDrafter, parse_ngram_spec
 from mmvsd.errors import UserError
 from mmvsd.shipped import resolve_drafter
+from mmvsd.target_loader import builtin_targets
 
 
 def drafter_from_spec(spec: str, target, seed: int = 0, ngram: bool | None = None):
@@ -22,6 +23,9 @@ def drafter_from_spec(spec: str, target, seed: int = 0, ngram: bool | None = Non
     unless `ngram` is False (None: on). Returns None (plain decoding), a `Drafter`, a `DraftModel`, an
     `NgramDrafter` or a `HybridDrafter`."""
     check_ngram_options(spec, ngram)
+    builtin = builtin_targets().get(target.name)
+    if spec == "default" and builtin is not None and builtin.default_drafter:
+        spec = builtin.default_drafter  # e.g. qwen2.5-coder-1.5b drafts with qwen2.5-coder-0.5b
     if spec == "none" or spec.partition(":")[0] == "ngram":
         return None if spec == "none" else NgramDrafter(parse_ngram_spec(spec))
     if spec.startswith(DRAFT_MODEL):

@@ -34,6 +34,8 @@ from tqdm import tqdm
 from mmvsd.adapter_base import Prompt
 from mmvsd.decoding.decode import DecodeConfig, SequenceResult, speculative_generate, vanilla_generate
 from mmvsd.decoding.shape_policy import AcceptanceStats
+from mmvsd.drafters.draft_model import PREFIX as DRAFT_MODEL
+from mmvsd.drafters.draft_model import load_draft_model
 from mmvsd.drafters.spec import drafter_from_spec
 from mmvsd.errors import UserError
 from mmvsd.eval.baselines import hf_generate
@@ -138,7 +140,9 @@ class TreeGenerate:
 
 
 def load_assistant(spec: str, target: Target):
-    assistant = load_target(spec, dtype=target.dtype, device=str(target.device))
+    """The assistant model for transformers' assisted generation: the draft model `--drafter model:SPEC` loads
+    (the same dtype, kernels and tokenizer check), so both draft with identical weights."""
+    assistant = load_draft_model(f"{DRAFT_MODEL}{spec}", target).model
     if assistant.vocab_size != target.vocab_size:
         raise UserError(f"--assistant {spec!r} has a vocabulary of {assistant.vocab_size}, the target "
                         f"{target.vocab_size}: assisted generation needs the same tokenizer")

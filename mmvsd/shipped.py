@@ -149,8 +149,12 @@ def resolve_drafter(spec: str, target_name: str) -> Path:
 
 
 def implicit_drafter_spec(target_name: str) -> str:
-    """What a command uses when no --drafter is given: `default` if the target has a shipped drafter."""
-    if any(d.target == target_name for d in list_shipped()):
+    """What a command uses when no --drafter is given: `default` if the target has a shipped drafter (or, for a
+    built-in target, a default draft model)."""
+    from mmvsd.target_loader import builtin_targets  # the registry of named targets, read once a command runs
+
+    builtin = builtin_targets().get(target_name)
+    if any(d.target == target_name for d in list_shipped()) or (builtin is not None and builtin.default_drafter):
         return "default"
     having = targets_with_default()
     raise UserError(f"no --drafter given and target {target_name!r} has no shipped drafter (targets with one: "

