@@ -26,8 +26,9 @@ def profiles_dir() -> Path:
 def cost_table_path(key: dict[str, str]) -> Path:
     """The cache file of a key: a readable prefix plus a hash of the whole key."""
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(key["target"]).name)[:40]
-    return profiles_dir() / f"{name}-{key['drafter']}-{digest}.json"
+    name, drafter = (re.sub(r"[^A-Za-z0-9._+-]+", "_", text)[-40:] for text in (Path(key["target"]).name,
+                                                                              key["drafter"]))
+    return profiles_dir() / f"{name}-{drafter}-{digest}.json"  # a draft model's path is no folder here
 
 
 def _read_cached(path: Path, key: dict[str, str]) -> CostTable | None:
