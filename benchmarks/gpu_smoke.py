@@ -46,7 +46,8 @@ def decoding(out: Path, device: str) -> dict:
     if done.returncode != 0:
         return {"ok": False, "seconds": seconds, "error": done.stderr[-2000:]}
     results = json.loads((out / "bench" / "results.json").read_text())
-    rows = [{k: row.get(k) for k in ("benchmark", "method", "tokens_per_second", "sr", "tau")} for row in results["rows"]]
+    keys = ("benchmark", "method", "tokens_per_second", "sr", "tau")
+    rows = [{k: row.get(k) for k in keys} for row in results["rows"]]
     return {"ok": not results["mismatches"], "seconds": round(seconds, 1), "mismatches": results["mismatches"],
             "rows": rows}
 

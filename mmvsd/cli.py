@@ -70,7 +70,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", required=True, help="built-in name, local folder, .gguf file or HF id")
     p.add_argument("--drafter",
                    help="drafter folder, model:MODEL (a draft model with the target's tokenizer: a built-in name, a "
-                        "folder or a .gguf file), 'default' or a name from `mmvsd drafters list` (a shipped drafter; default: "
+                        "folder or a .gguf file), 'default' or a name from `mmvsd drafters list` (a shipped drafter; "
+                        "default: "
                         "'default' when the target has one), 'none' for vanilla decoding, 'random' for an untrained "
                         "EAGLE-3 drafter, or 'ngram' (options: ngram:max_n=4,min_n=1,num_continuations=4,max_len=8) "
                         "for prompt lookup")

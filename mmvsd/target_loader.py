@@ -206,7 +206,8 @@ def _join_problem(builtin: BuiltinTarget, header: bytes, sha256: str) -> str:
     if builtin.gguf_tensors and tensors != builtin.gguf_tensors:
         return f"hold {tensors} tensors, not {builtin.gguf_tensors}"
     if builtin.gguf_sha256 and sha256 != builtin.gguf_sha256:
-        return f"have checksum {sha256[:16]}..., not {builtin.gguf_sha256[:16]}... (a slice is corrupt or of another version)"
+        return (f"have checksum {sha256[:16]}..., not {builtin.gguf_sha256[:16]}... (a slice is corrupt or of another "
+                "version)")
     return ""
 
 

@@ -34,7 +34,7 @@ from mmvsd.training.config import TrainConfig
 from mmvsd.training.dataset import data_specs
 from mmvsd.training.drafter_init import resolve_init
 from mmvsd.training.feature_cache import feature_bytes_per_token
-from mmvsd.training.trainer import check_dataset_exists
+from mmvsd.training.trainer import check_dataset_exists, total_steps
 
 TARGET_CONFIGS = Path(mmvsd.configs.__file__).parent / "targets"  # full-size configs of the LLaVA-1.5 names
 ZERO2 = Path(mmvsd.configs.__file__).parent / "accelerate_zero2.yaml"
@@ -110,7 +110,7 @@ class GpuMemory:
 
 
 def gpu_memory(target_params: int, drafter_params: int, config: TrainConfig, target: Target, draft_vocab: int,
-               num_gpus: int, image_tokens: int) -> GpuMemory:
+               num_gpus: int) -> GpuMemory:
     weights = target_params * DTYPE_BYTES[config.target_dtype]
     zero2 = ZERO2_REPLICATED * drafter_params + math.ceil(ZERO2_SHARDED * drafter_params / num_gpus)
     return GpuMemory(weights, DDP_BYTES * drafter_params, zero2, activation_bytes(config, target, draft_vocab))
@@ -206,8 +206,7 @@ def describe_plan(config: TrainConfig, argv: list[str], num_gpus: int) -> str:
     global_batch = config.global_batch_size or config.batch_size * num_gpus
     if data is not None:
         lines += [f"data     {line}" for line in data.lines]
-        steps = config.max_steps or max(1, math.ceil(config.epochs * math.ceil(data.examples / global_batch))
-                                        // config.grad_accum)
+        steps = total_steps(config, data.examples, global_batch)
         per_token = feature_bytes_per_token(len(target.aux_layer_ids), target.hidden_size, 2)
         lines += [f"steps    {steps} optimizer steps of {global_batch * config.grad_accum} examples ({num_gpus} GPUs x "
                   f"{global_batch // num_gpus} x grad_accum {config.grad_accum}) over {data.examples} training "
@@ -217,11 +216,11 @@ def describe_plan(config: TrainConfig, argv: list[str], num_gpus: int) -> str:
     lines.append("memory   per GPU (weights and optimizer state exact; activations an upper bound for batch_size "
                  f"{config.batch_size} at {config.max_length} tokens):")
     for gpus in GPU_COUNTS:
-        memory = gpu_memory(target_params, trainable, config, target, draft_vocab, gpus, image_tokens)
+        memory = gpu_memory(target_params, trainable, config, target, draft_vocab, gpus)
         lines.append(f"         {gpus} GPU(s): DDP {memory.ddp / GB:.1f} GB, ZeRO-2 {memory.zero2 / GB:.1f} GB "
                      f"(target {memory.target / GB:.1f} + drafter state {memory.ddp_state / GB:.2f} | "
                      f"{memory.zero2_state / GB:.2f} + activations ~{memory.activations / GB:.1f})")
-    memory = gpu_memory(target_params, trainable, config, target, draft_vocab, num_gpus, image_tokens)
+    memory = gpu_memory(target_params, trainable, config, target, draft_vocab, num_gpus)
     per_example = memory.activations / config.batch_size
     fits = int((GPU_BYTES - memory.target - memory.zero2_state) // per_example) if per_example else config.batch_size
     if memory.zero2 > GPU_BYTES:
