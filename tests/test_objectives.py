@@ -27,14 +27,18 @@ def setup(target):
     return batch, drafter
 
 
+def unrolled(target, batch, drafter, steps: int):
+    """The drafter's hidden states at each unrolled step and the target's full logits [B, T, V], computed here."""
+    ids = batch.tokens.input_ids
+    next_ids = torch.cat([ids[:, 1:], torch.zeros(ids.shape[0], 1, dtype=torch.long)], 1)
+    return unroll_draft_steps(drafter, batch.features, next_ids, steps), target.logits(batch.target_hidden)
+
+
 def test_ce_loss_matches_explicit_loop(tiny_target):
     batch, drafter = setup(tiny_target)
     config = ObjectiveConfig(ttt_steps=3, ttt_decay=0.8)
     loss, metrics = ce_loss(drafter, tiny_target, batch, config)
-    ids = batch.tokens.input_ids
-    next_ids = torch.cat([ids[:, 1:], torch.zeros(2, 1, dtype=torch.long)], 1)
-    hiddens = unroll_draft_steps(drafter, batch.features, next_ids, 3)
-    full_logits = tiny_target.logits(batch.target_hidden)  # [B, T, V]
+    hiddens, full_logits = unrolled(tiny_target, batch, drafter, 3)
     expected = 0.0
     for step in range(3):
         terms, hits = [], []

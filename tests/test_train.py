@@ -41,7 +41,7 @@ def train_cli(capsys, target: Path, data: Path, out: Path, *extra: str) -> tuple
     return code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("objective", ["ce", "vsd", "vsd-kl", "ce+vsd"])
+@pytest.mark.parametrize("objective", ["ce", "vsd", "vsd-kl", "ce+vsd", "accept", "ce+accept"])
 def test_two_step_train_then_generate(setup, tmp_path, capsys, objective):
     target, data = setup
     code, err = train_cli(capsys, target, data, tmp_path / "out", "--objective", objective, "max_steps=2")

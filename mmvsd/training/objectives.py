@@ -9,12 +9,17 @@ An objective is a weighted sum of terms (docs/training.md, "Objectives", has the
              only; the paper always adds it to an original loss that stands in for the KL half.
     topk_kl  sum_i decay^i * top-K renormalised KL(p^ || q^) (eq. klv) over the unrolled steps
              (`kl_depth=all`) or draft step 0 only (`kl_depth=first`).
+    accept   - sum_i decay^i * mean acceptance sum_{v in draft vocab} min(p(v), q_i(v)) (1 - total
+             variation, with p the full-vocabulary target distribution): the exact probability that a
+             token the drafter samples is accepted, along the same unroll, no sampling.
 Objectives (TERM_WEIGHTS):
     ce       ce alone (the baseline).
     vsd      vsd alone: an ABLATION (the ELBO without its KL half), never "VSD" as the paper trains it.
     vsd-kl   vsd + kl_alpha * topk_kl: the paper's "VSD (KL)".
     ce+vsd   ce_weight * ce + vsd_weight * vsd: the paper's recipe (the original loss plus the VSD
              term), for training on from a trained drafter.
+    accept   accept alone: what sampled drafts are accepted with, maximised directly.
+    ce+accept  ce + accept_weight * accept.
 The objectives never look at which drafter they train: only the `Drafter` interface.
 """
 
@@ -82,6 +87,7 @@ class ObjectiveConfig:
     kl_depth: str = "all"  # all: every unrolled step with ttt_decay | first: draft step 0 only
     ce_weight: float = PROVISIONAL_CE_WEIGHT  # ce+vsd: weight of ce (provisional, see ALPHA_READINGS)
     vsd_weight: float = PROVISIONAL_VSD_WEIGHT  # ce+vsd: weight of vsd
+    accept_weight: float = 1.0  # ce+accept: weight of accept
 
     def validate(self, objective: str) -> None:
         """Raise UserError on values no run can use, or weights with which `objective` trains nothing."""
@@ -95,7 +101,7 @@ class ObjectiveConfig:
         for key in ("ttt_steps", "num_samples", "path_length", "num_anchors", "kl_topk"):
             if getattr(self, key) < 1:
                 raise UserError(f"loss.{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("ce_weight", "vsd_weight", "kl_alpha", "ttt_decay"):
+        for key in ("ce_weight", "vsd_weight", "kl_alpha", "ttt_decay", "accept_weight"):
             if not getattr(self, key) >= 0:  # also refuses NaN
                 raise UserError(f"loss.{key} must be >= 0, got {getattr(self, key)}")
         for key in ("car_temperature", "length_weight_base"):
@@ -118,8 +124,11 @@ TERM_WEIGHTS = {
     "vsd": {"vsd": ""},
     "vsd-kl": {"vsd": "", "topk_kl": "kl_alpha"},
     "ce+vsd": {"ce": "ce_weight", "vsd": "vsd_weight"},
+    "accept": {"accept": ""},
+    "ce+accept": {"ce": "", "accept": "accept_weight"},
 }
-TERM_KEYS = {"ce": "loss.ce_weight", "vsd": "loss.vsd_weight", "topk_kl": "loss.kl_alpha"}
+TERM_KEYS = {"ce": "loss.ce_weight", "vsd": "loss.vsd_weight", "topk_kl": "loss.kl_alpha",
+             "accept": "loss.accept_weight"}
 OBJECTIVE_NAMES = tuple(TERM_WEIGHTS)
 
 
@@ -238,6 +247,33 @@ def topk_kl_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: 
     return total, metrics
 
 
+def acceptance(target_probs: Tensor, draft_logprobs: Tensor) -> Tensor:
+    """[...] sum_v min(p(v), q(v)): the probability that a token sampled from q is accepted against p (speculative
+    sampling's min(1, p/q) test), i.e. 1 - the total variation between them where q lives on the draft vocabulary
+    and p is the target's full-vocabulary probability of those tokens."""
+    return torch.minimum(target_probs, draft_logprobs.exp()).sum(-1)
+
+
+def accept_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: ObjectiveConfig,
+                mean: Mean = batch_mean) -> tuple[Tensor, Metrics]:
+    """- sum_i ttt_decay^i * mean acceptance at unrolled step i (the positions and unroll of `ce`, every loss
+    position: a target top-1 outside the draft vocabulary is a token the drafter cannot propose, and counts)."""
+    features, next_ids, media = draft_step0_inputs(drafter, batch)
+    hiddens = unroll_draft_steps(drafter, features, next_ids, config.ttt_steps, media)
+    full = torch.log_softmax(target.logits(batch.target_hidden).float(), dim=-1)  # [B, T, V]
+    target_probs = full[..., drafter.draft_vocab_target_ids()].exp()  # [B, T, Vd], not renormalised
+    total = torch.zeros((), device=target_probs.device)
+    metrics: Metrics = {}
+    for step, hidden in enumerate(hiddens):
+        mask = shifted(batch.tokens.loss_mask, step + 2, False)
+        rates = acceptance(shifted(target_probs, step + 1)[mask], drafter.draft_logprobs(hidden[mask]))  # [N]
+        step_rate = mean(rates.sum(), mask.sum())
+        total = total - config.ttt_decay**step * step_rate
+        metrics[f"accept_{step}"] = float(step_rate.detach())
+    metrics["accept"] = float(-total.detach())
+    return total, metrics
+
+
 def _ce_term(drafter, target, batch, config, generator, mean):
     return ce_loss(drafter, target, batch, config, mean)
 
@@ -246,7 +282,11 @@ def _kl_term(drafter, target, batch, config, generator, mean):
     return topk_kl_loss(drafter, target, batch, config, mean)
 
 
-TERMS = {"ce": _ce_term, "vsd": vsd_loss, "topk_kl": _kl_term}
+def _accept_term(drafter, target, batch, config, generator, mean):
+    return accept_loss(drafter, target, batch, config, mean)
+
+
+TERMS = {"ce": _ce_term, "vsd": vsd_loss, "topk_kl": _kl_term, "accept": _accept_term}
 
 
 def make_objective(name: str, config: ObjectiveConfig) -> Objective:
