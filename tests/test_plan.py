@@ -62,6 +62,17 @@ def test_the_headline_command_plans_offline(tmp_path, capsys):
     assert "--dry-run" not in run and "--gpus" not in run
 
 
+def test_the_issue_s_exact_command_plans_a_vispec_drafter(tmp_path, capsys):
+    """`--init vispec` with no --drafter trains the architecture the layout holds."""
+    out = tmp_path / "OUT"
+    assert main(["train", "--target", "llava-1.5-13b", "--init", "vispec", "--dry-run", "--output", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "drafter  vispec: 500.7 M trainable parameters" in text and not out.exists()
+    assert main(["train", "--target", "llava-1.5-13b", "--init", "msd", "--drafter", "msd", "--dry-run", "--output",
+                 str(out)]) == 0
+    assert "lucylyn/MSD-LLaVA1.5-13B" in capsys.readouterr().out
+
+
 def test_the_7b_plan_and_bad_input(tmp_path, capsys):
     assert main(["train", "--target", "llava-1.5-7b", "--drafter", "msd", "--output", str(tmp_path / "o"),
                  "--dry-run", "max_steps=10"]) == 0

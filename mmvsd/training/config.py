@@ -198,6 +198,7 @@ def _config_path(name: str) -> Path:
 def load_train_config(config_file: str | None, flags: dict[str, Any], overrides: list[str]) -> TrainConfig:
     """Resolve a TrainConfig: defaults < YAML file < flags (None = not given) < key=value overrides."""
     config = TrainConfig()
+    values: dict[str, Any] = {}
     if config_file:
         path = _config_path(config_file)
         try:
@@ -210,6 +211,18 @@ def load_train_config(config_file: str | None, flags: dict[str, Any], overrides:
             raise UserError(f"config file {path} must hold a mapping of keys to values")
         _apply(config, values)
     _apply(config, {k: v for k, v in flags.items() if v is not None})
-    _apply(config, parse_overrides(overrides))
+    overridden = parse_overrides(overrides)
+    _apply(config, overridden)
+    if all("drafter" not in given or given["drafter"] is None for given in (values, flags, overridden)):
+        config.drafter = init_drafter_type(config.init) or config.drafter  # `--init vispec` trains a ViSpec drafter
     config.validate()
     return config
+
+
+def init_drafter_type(init: str) -> str:
+    """The drafter architecture `--init LAYOUT` or `LAYOUT:PATH` implies ("" for none, a folder, or a layout of
+    any architecture)."""
+    from mmvsd.layouts.registry import LAYOUTS, layout_names  # the plugins' layouts: only when a run resolves
+
+    name = init.partition(":")[0]
+    return LAYOUTS[name].drafter_type if name in layout_names() else ""
