@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from test_sampling import chi_square_pvalue
+from test_sampling import second_token_pvalue
 
 from conftest import random_prompts, save_tiny_target
 from mmvsd.cli import main
@@ -57,18 +57,9 @@ def test_the_target_as_its_own_draft_model_is_accepted_whole(folders, target):
 
 
 def test_t1_second_token_follows_the_target(folders, target):
-    rows = 2000
     prompt = random_prompts(1, seed=4)[0]
     drafter = drafter_from_spec(f"model:{folders['other']}", target, ngram=False)
-    config = DecodeConfig(max_new_tokens=2, temperature=1.0, tree=TreeShape(budget=8, depth=3, topk=2), seed=5)
-    second = torch.tensor([r.output_ids[1] for r in speculative_generate(target, drafter, [prompt] * rows, config)])
-    vocab = target.vocab_size
-    with torch.no_grad():
-        p1 = torch.softmax(target.model(torch.tensor([prompt])).logits[0, -1], -1)
-        ids = torch.cat([torch.tensor(prompt).expand(vocab, -1), torch.arange(vocab)[:, None]], 1)
-        p2_given = torch.softmax(target.model(ids).logits[:, -1], -1)
-    marginal = (p1[:, None] * p2_given).sum(0)
-    assert chi_square_pvalue(torch.bincount(second, minlength=vocab).float(), marginal) > 1e-3
+    assert second_token_pvalue(target, drafter, prompt, 2000, TreeShape(budget=8, depth=3, topk=2)) > 1e-3
 
 
 def test_the_draft_model_reads_the_prompt_from_its_first_token(folders, target):

@@ -78,17 +78,21 @@ def test_verify_greedy_picks_longest_matching_path():
     assert verdict.num_accepted.tolist() == [0] and verdict.bonus_ids.tolist() == [7]
 
 
+def second_token_pvalue(target, drafter, prompt: list[int], rows: int, tree: TreeShape) -> float:
+    """Chi-square p-value of the 2nd sampled token (T=1, `rows` copies of `prompt`) against the target's exact
+    marginal of it, sum_x p(x) p(. | x)."""
+    config = DecodeConfig(max_new_tokens=2, temperature=1.0, tree=tree, seed=5)
+    second = torch.tensor([r.output_ids[1] for r in speculative_generate(target, drafter, [prompt] * rows, config)])
+    vocab = target.vocab_size
+    with torch.no_grad():
+        p1 = torch.softmax(target.model(torch.tensor([prompt])).logits[0, -1], -1)
+        ids = torch.cat([torch.tensor(prompt).expand(vocab, -1), torch.arange(vocab)[:, None]], 1)
+        p2_given = torch.softmax(target.model(ids).logits[:, -1], -1)
+    marginal = (p1[:, None] * p2_given).sum(0)
+    return chi_square_pvalue(torch.bincount(second, minlength=vocab).float(), marginal)
+
+
 def test_end_to_end_sampling_matches_target_marginal(tiny_target, random_drafter):
     """Batched tree decoding at T=1: the 2nd token's marginal equals the target's exact marginal."""
-    rows = 3000
     prompt = random_prompts(1, seed=4)[0]
-    config = DecodeConfig(max_new_tokens=2, temperature=1.0, tree=TreeShape(budget=12, depth=3, topk=3), seed=5)
-    results = speculative_generate(tiny_target, random_drafter, [prompt] * rows, config)
-    second = torch.tensor([r.output_ids[1] for r in results])
-    vocab = tiny_target.vocab_size
-    with torch.no_grad():
-        p1 = torch.softmax(tiny_target.model(torch.tensor([prompt])).logits[0, -1], -1)
-        ids = torch.cat([torch.tensor(prompt).expand(vocab, -1), torch.arange(vocab)[:, None]], 1)
-        p2_given = torch.softmax(tiny_target.model(ids).logits[:, -1], -1)
-    marginal = (p1[:, None] * p2_given).sum(0)
-    assert chi_square_pvalue(torch.bincount(second, minlength=vocab).float(), marginal) > 1e-3
+    assert second_token_pvalue(tiny_target, random_drafter, prompt, 3000, TreeShape(budget=12, depth=3, topk=3)) > 1e-3
