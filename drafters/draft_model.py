@@ -138,8 +138,8 @@ class DraftModelSession:
 
 def load_draft_model(spec: str, target: Target) -> DraftModel:
     """The draft model `--drafter model:SPEC` names (a built-in target name, a folder or a .gguf file), in the
-    target's dtype on its device (stock kernels: its numbers never reach the output), checked to share the
-    target's tokenizer."""
+    target's dtype on its device (never on the exact engine: its numbers never reach the output; bf16 on a CPU
+    runs on oneDNN's packed kernels), checked to share the target's tokenizer."""
     name = spec[len(PREFIX):]
     if not name:
         raise UserError(f"--drafter {spec}: name a draft model (a built-in target, a folder or a .gguf file)")

@@ -27,6 +27,7 @@ import torch
 import mmvsd.configs
 from mmvsd.data.conversations import parse_dataset_spec, read_conversations
 from mmvsd.drafter_base import drafter_class
+from mmvsd.drafters.layers import layer_sizes
 from mmvsd.errors import UserError
 from mmvsd.target import Target
 from mmvsd.target_loader import builtin_targets, resolve_target_folder
@@ -34,7 +35,7 @@ from mmvsd.training.config import TrainConfig
 from mmvsd.training.dataset import data_specs
 from mmvsd.training.drafter_init import resolve_init
 from mmvsd.training.feature_cache import feature_bytes_per_token
-from mmvsd.training.trainer import check_dataset_exists, total_steps
+from mmvsd.training.trainer import check_dataset_exists, dataset_image_root, total_steps
 
 TARGET_CONFIGS = Path(mmvsd.configs.__file__).parent / "targets"  # full-size configs of the LLaVA-1.5 names
 ZERO2 = Path(mmvsd.configs.__file__).parent / "accelerate_zero2.yaml"
@@ -118,16 +119,14 @@ def gpu_memory(target_params: int, drafter_params: int, config: TrainConfig, tar
 
 def activation_bytes(config: TrainConfig, target: Target, draft_vocab: int) -> int:
     """An estimate of one micro-batch's activations at max_length (module docstring)."""
-    text = target.model.config.get_text_config(decoder=True)
+    sizes = layer_sizes(target)  # the decoder layer's widths, read as a drafter copies them
     rows, hidden, half = config.batch_size * config.max_length, target.hidden_size, 2
-    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or hidden // text.num_attention_heads
     features = rows * (len(target.aux_layer_ids) + 1) * hidden * half
-    kv_cache = rows * 2 * target.num_layers * kv_heads * head_dim * half
+    kv_cache = rows * 2 * target.num_layers * sizes["num_key_value_heads"] * sizes["head_dim"] * half
     target_logits = rows * target.vocab_size * half + rows * draft_vocab * 4
     # each unrolled drafter step: its layer's activations kept for backward (~12 H + 3 I wide, in the training
     # precision) and the fp32 log-probabilities with their softmax over the draft vocabulary
-    width = 12 * hidden + 3 * text.intermediate_size
+    width = 12 * hidden + 3 * sizes["intermediate_size"]
     per_step = rows * width * DTYPE_BYTES[config.precision] + rows * draft_vocab * 4 * 2
     return features + kv_cache + target_logits + config.loss.ttt_steps * per_step
 
@@ -140,16 +139,15 @@ class DataPlan:
 
 
 def data_plan(config: TrainConfig, image_tokens: int) -> DataPlan:
-    """Record counts of each dataset of the mixture (read, not rendered: the tokenizer is not loaded)."""
+    """Record counts of each dataset of the mixture (read, not rendered: the tokenizer is not loaded); a missing
+    file, image root or image is one error (`check_dataset_exists`, whose reads are reused)."""
+    read = check_dataset_exists(config.data, config.image_root, config.num_conversations)
     examples = tokens = 0
     lines = []
     for spec in data_specs(config.data):
         _, path = parse_dataset_spec(spec)
-        if path is not None and not path.exists():
-            raise UserError(f"dataset file not found: {path}")
-        root = image_root(config, path)
-        limit = config.num_conversations or None
-        conversations, stats = read_conversations(spec, limit=limit, image_root=root)
+        root = None if path is None else dataset_image_root(config.image_root, path)
+        conversations, stats = read.get(spec) or read_conversations(spec, limit=config.num_conversations or None)
         chars = [sum(len(turn.text) for turn in conv.turns) for conv in conversations]
         images = sum(1 for conv in conversations if conv.image)
         tokens += sum(min(config.max_length, c // CHARS_PER_TOKEN + (image_tokens if conv.image else 0))
@@ -160,13 +158,6 @@ def data_plan(config: TrainConfig, image_tokens: int) -> DataPlan:
         lines.append(f"{spec}: {len(conversations)} conversations, {images} with an image{missing}{where}")
     train = examples - round(examples * config.validation_fraction)
     return DataPlan(train, round(tokens * train / max(1, examples)), lines)
-
-
-def image_root(config: TrainConfig, path: Path | None) -> Path | None:
-    """Where a dataset's relative image paths are resolved: `image_root`, else the file's folder."""
-    if path is None:
-        return None
-    return Path(config.image_root).expanduser() if config.image_root else path.parent
 
 
 def launch_command(argv: list[str], num_gpus: int) -> str:
@@ -191,10 +182,7 @@ def describe_plan(config: TrainConfig, argv: list[str], num_gpus: int) -> str:
     draft_vocab = drafter.draft_vocab_size
     vision = getattr(target.model.config, "vision_config", None)
     image_tokens = (vision.image_size // vision.patch_size) ** 2 if vision is not None else 0
-    data = None
-    if config.features == "online":
-        check_dataset_exists(config.data, config.image_root, config.num_conversations)
-        data = data_plan(config, image_tokens)
+    data = data_plan(config, image_tokens) if config.features == "online" else None
     lines = [f"mmvsd train --dry-run: nothing loaded, nothing written (config: {config_path})",
              f"target   {config.target}: {target_params / GB:.2f} B parameters ("
              + ", ".join(f"{name} {n / GB:.3f} B" for name, n in groups.items())

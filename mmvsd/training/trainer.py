@@ -14,6 +14,7 @@ process with N x batch_size does, and a run with `global_batch_size` may resume 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -332,8 +333,7 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
     if resume_from is not None:
         saved = TrainState(**json.loads((resume_from / STATE_FILE).read_text()))
         check_resume_split(resume_from, saved, split, sharded=accelerator.state.deepspeed_plugin is not None)
-        state = TrainState(**{**saved.__dict__, "num_processes": split.num_processes,
-                              "global_batch": split.global_size})
+        state = dataclasses.replace(saved, num_processes=split.num_processes, global_batch=split.global_size)
     if target is None:
         target = load_target(config.target, dtype=TARGET_DTYPES[config.target_dtype])
     target.model.to(accelerator.device)
@@ -380,20 +380,29 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
     return out_dir
 
 
-def check_dataset_exists(data: str, image_root: str = "", num_conversations: int = 0) -> None:
-    """Fail before loading a target when a dataset file, the image root or an image a record names is not there."""
+def check_dataset_exists(data: str, image_root: str = "", num_conversations: int = 0) -> dict[str, tuple]:
+    """Fail before loading a target when a dataset file, the image root or an image a record names is not there.
+    Returns what it read of each dataset file: {spec: (conversations, LoadStats)} (the bundled ShareGPT is not read).
+    """
     if image_root and not Path(image_root).expanduser().is_dir():
         raise UserError(f"image_root {image_root} is not a folder")
+    read = {}
     for spec in data_specs(data):
         _, path = parse_dataset_spec(spec)
         if path is None:
             continue
         if not path.exists():
             raise UserError(f"dataset file not found: {path}")
-        root = Path(image_root).expanduser() if image_root else path.parent
-        _, stats = read_conversations(spec, limit=num_conversations or None, image_root=root)
-        if stats.num_missing_images:
-            raise UserError(missing_images_message(path, stats, root))
+        root = dataset_image_root(image_root, path)
+        read[spec] = read_conversations(spec, limit=num_conversations or None, image_root=root)
+        if read[spec][1].num_missing_images:
+            raise UserError(missing_images_message(path, read[spec][1], root))
+    return read
+
+
+def dataset_image_root(image_root: str, path: Path) -> Path:
+    """Where the relative image paths of the dataset file `path` are read: `image_root`, else the file's folder."""
+    return Path(image_root).expanduser() if image_root else path.parent
 
 
 def _postfix(metrics: dict[str, float], monitor=None) -> dict[str, str]:
