@@ -141,7 +141,8 @@ def main() -> None:
     columns = ["wall", "gemm", "attention", "mask+positions", "keep", "lm_head", "other ops",
                "unaccounted (python, dispatch)"]
     print(f"{target.name} ({target.dtype}, {target.engine} engine), {torch.get_num_threads()} threads, "
-          f"cache of {args.context} tokens, ms per verify step (mean of {args.steps} steps); profiler overhead included")
+          f"cache of {args.context} tokens, ms per verify step (mean of {args.steps} steps); "
+          "profiler overhead included")
     print("| N | " + " | ".join(columns) + " | x N=1 |")
     print("|---" * (len(columns) + 2) + "|")
     for n, row in rows.items():
