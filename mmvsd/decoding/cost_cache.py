@@ -23,9 +23,14 @@ def profiles_dir() -> Path:
     return cache_root() / "profiles"
 
 
+def key_digest(key: dict[str, str]) -> str:
+    """A short hash of a whole cache key (the part of a cache file's name that tells keys apart)."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+
+
 def cost_table_path(key: dict[str, str]) -> Path:
     """The cache file of a key: a readable prefix plus a hash of the whole key."""
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    digest = key_digest(key)
     name, drafter = (re.sub(r"[^A-Za-z0-9._+-]+", "_", text)[-40:] for text in (Path(key["target"]).name,
                                                                               key["drafter"]))
     return profiles_dir() / f"{name}-{drafter}-{digest}.json"  # a draft model's path is no folder here

@@ -27,7 +27,6 @@ target like the cost profile (`mmvsd.decoding.cost_cache`).
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import sys
 from dataclasses import dataclass
@@ -325,8 +324,7 @@ def _key(target: Target, what: str) -> dict[str, str]:
 
 
 def engine_path(key: dict[str, str]):
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return cost_cache.profiles_dir() / f"engine-{key['what']}-{digest}.json"
+    return cost_cache.profiles_dir() / f"engine-{key['what']}-{cost_cache.key_digest(key)}.json"
 
 
 def _read(key: dict[str, str]) -> dict | None:
