@@ -61,6 +61,31 @@ def test_packed_scoring_equals_naive_per_path(tiny_target):
     torch.testing.assert_close(score_paths_packed(tiny_target, batch.target_cache, batch, anchors, paths), packed)
 
 
+def test_kappa_reads_fp32_logits_of_a_bf16_target(tiny_target):
+    """A bf16 target's E-step log-probabilities come from its LM head computed in fp32 (bf16 logits are rounded
+    to ~3 digits): the packed scores equal log-softmax of the fp32 head over the bf16 hidden states."""
+    import copy
+
+    target = copy.deepcopy(tiny_target)
+    target.model.to(torch.bfloat16)
+    batch, gen = make_batch(target)
+    anchors, _ = choose_anchors(batch.tokens, 2, gen)
+    paths = torch.randint(28, VOCAB, (2, 2, 3, 3), generator=gen)
+    packed = score_paths_packed(target, batch.target_cache, batch, anchors, paths)
+    head = target.model.get_output_embeddings().weight.float()
+    for b in range(2):  # token 1 of every path is scored from the batch's own (bf16) hidden state at t+1
+        for a in range(2):
+            hidden = batch.target_hidden[b, int(anchors[b, a]) + 1].float()
+            exact = torch.log_softmax(hidden @ head.T, -1)[paths[b, a, :, 0]]
+            torch.testing.assert_close(packed[b, a, :, 0], exact)
+            rounded = torch.log_softmax(target.logits(batch.target_hidden[b, int(anchors[b, a]) + 1]).float(), -1)
+            assert not torch.equal(rounded[paths[b, a, :, 0]], exact)
+    first = torch.log_softmax(target.float_logits(batch.target_hidden[:, :1]), -1)
+    torch.testing.assert_close(first, torch.log_softmax(batch.target_hidden[:, :1].float() @ head.T, -1))
+    assert target.float_logits(batch.target_hidden).dtype == torch.float32
+    assert not torch.equal(target.float_logits(batch.target_hidden), target.logits(batch.target_hidden).float())
+
+
 def test_target_rollouts_sample_the_draft_vocab_and_score_like_naive(tiny_target):
     batch, gen = make_batch(tiny_target, seed=1)
     anchors, _ = choose_anchors(batch.tokens, 2, gen)
@@ -232,7 +257,17 @@ def test_run_estep_equals_naive_loops(tiny_target, zbar_vocab):
     anchors, valid = choose_anchors(batch.tokens, num_anchors, torch.Generator().manual_seed(7))  # the same draw
     in_vocab = torch.arange(VOCAB) >= 28
     assert paths.proposal_ids.shape == (4, num_samples, length) and paths.greedy_ids.shape == (4, length)
-    assert paths.mask.all() and valid.all()
+    assert valid.all()
+    for b in range(2):  # a path stops at the answer's end: its first position that is not a loss token
+        for a in range(num_anchors):
+            inside = True
+            for depth in range(length):
+                position = int(anchors[b, a]) + 2 + depth
+                inside = inside and position < batch.tokens.loss_mask.shape[1] and bool(
+                    batch.tokens.loss_mask[b, position])
+                assert bool(paths.mask[b * num_anchors + a, :, depth].all()) == inside
+                assert bool(paths.mask[b * num_anchors + a, :, depth].any()) == inside
+    assert not paths.mask.all()  # this batch has an anchor whose answer ends inside its path
     num_greedy_outside = 0
     for b in range(2):
         for a in range(num_anchors):
@@ -374,4 +409,4 @@ def test_run_estep_proposals_equal_to_z_bar_always_pass(tiny_target, fitted_draf
     same = prefix_matches(paths.proposal_ids, paths.greedy_ids)
     oracles = estep_oracles(paths, ObjectiveConfig(path_length=4))
     assert same.sum() > 20
-    assert oracles.passed[same].all()
+    assert oracles.passed[same & paths.mask].all() and not oracles.passed[~paths.mask].any()

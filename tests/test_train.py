@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from conftest import save_tiny_target
 from mmvsd.cli import main
+from mmvsd.errors import UserError
 from mmvsd.training import trainer
 from mmvsd.training.config import TrainConfig, load_train_config
 from mmvsd.training.dataset import draft_vocab_from_counts
@@ -199,6 +200,12 @@ def test_config_resolution_order(tmp_path):
     assert (config.loss.num_samples, config.loss.use_car, config.loss.path_length) == (3, False, 7)
     shipped = load_train_config("smollm2_cpu", {"output": "o"}, [])
     assert shipped.target == "smollm2-135m" and shipped.draft_vocab_size == 8192
+    # VSD's paths are as deep as the tree the drafter is evaluated with, unless the path length is given
+    assert load_train_config(None, {"target": "a", "output": "o"}, ["eval_tree=60/5/8"]).loss.path_length == 5
+    assert load_train_config(str(yaml_file), {}, ["eval_tree=60/5/8", "loss.path_length=3"]).loss.path_length == 3
+    yaml_file.write_text("target: a\noutput: o\neval_tree: 30/4/6\nloss:\n  path_length: 6\n")
+    assert load_train_config(str(yaml_file), {}, []).loss.path_length == 6
+    assert load_train_config(str(yaml_file), {}, ["loss.num_samples=2"]).loss.path_length == 6
     # YAML 1.1 reads on/off as booleans: a text setting takes them back as the words
     assert load_train_config(None, {"target": "a", "output": "o"}, ["media_curriculum=off"]).media_curriculum == "off"
     assert load_train_config(None, {"target": "a", "output": "o"}, ["media_curriculum=on"]).media_curriculum == "on"
@@ -211,6 +218,11 @@ def test_learning_rate_schedule_warmup_then_cosine_to_floor():
     assert factor(55) == pytest.approx(0.01 + 0.99 * 0.5) and factor(100) == pytest.approx(0.01)
     linear = trainer.lr_lambda(TrainConfig(warmup_ratio=0.1, schedule="linear"), 100)
     assert linear(55) == pytest.approx(0.5) and linear(100) == pytest.approx(0.0)
+    # a continuation's warm-up in optimizer steps (60 steps: warmup_ratio 0.02 would give one)
+    steps = trainer.lr_lambda(TrainConfig(warmup_steps=10, schedule="linear"), 60)
+    assert steps(0) == 0 and steps(5) == pytest.approx(0.5) and steps(10) == 1.0 and steps(35) == pytest.approx(0.5)
+    with pytest.raises(UserError, match="warmup_steps"):
+        TrainConfig(target="a", output="o", warmup_steps=-1).validate()
 
 
 def test_batches_cover_every_example_once_per_epoch():

@@ -60,6 +60,7 @@ class TrainConfig:
     # process: a resumed run may be given another budget)
     learning_rate: float = 1e-4
     warmup_ratio: float = 0.02
+    warmup_steps: int = 0  # > 0: a linear warm-up over this many optimizer steps instead (continuing with --init)
     schedule: str = "cosine"  # cosine (to min_lr_ratio x peak) | linear (to 0)
     min_lr_ratio: float = 0.01
     max_grad_norm: float = 0.5
@@ -98,6 +99,8 @@ class TrainConfig:
             raise UserError("no output folder: pass --output DIR")
         if self.features == "offline" and not self.feature_cache:
             raise UserError("features=offline needs feature_cache=DIR (written by `mmvsd prepare`)")
+        if self.warmup_steps < 0:
+            raise UserError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         positive = ("batch_size", "grad_accum", "max_length", "save_every", "log_every", "draft_vocab_size",
                     "eval_max_new_tokens", "regenerate_batch_size")
         for key in positive:
@@ -215,8 +218,18 @@ def load_train_config(config_file: str | None, flags: dict[str, Any], overrides:
     _apply(config, overridden)
     if all("drafter" not in given or given["drafter"] is None for given in (values, flags, overridden)):
         config.drafter = init_drafter_type(config.init) or config.drafter  # `--init vispec` trains a ViSpec drafter
+    if all("path_length" not in (given.get("loss") or {}) for given in (values, overridden)):
+        config.loss.path_length = tree_depth(config.eval_tree, config.loss.path_length)  # VSD's paths: tree deep
     config.validate()
     return config
+
+
+def tree_depth(spec: str, fallback: int) -> int:
+    """The depth of a BUDGET/DEPTH/TOPK tree (`fallback` for a malformed one, which `validate` reports)."""
+    try:
+        return TreeShape.parse(spec).depth or fallback
+    except ValueError:
+        return fallback
 
 
 def init_drafter_type(init: str) -> str:

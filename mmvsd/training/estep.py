@@ -12,6 +12,8 @@ log-probability of every token:
     greedy       the target's greedy path z_bar (the oracle's reference, Alg. 2)
 Corrections are drawn from p_theta restricted to the draft vocabulary (renormalised): the drafter
 cannot emit other tokens, so it could not learn from them; kappa still uses the full p_theta.
+Every target log-probability is taken from fp32 logits (`Target.float_logits`), also for a bf16 target, and a
+path stops at the answer's end (`path_mask`).
 z_bar is the argmax over the draft vocabulary by default, or over the full vocabulary
 (`greedy_full_vocab`); a z_bar token outside the draft vocabulary has q = 0, so its alpha is 1.
 
@@ -67,6 +69,18 @@ def choose_anchors(tokens: TokenBatch, num_anchors: int, generator: torch.Genera
     return anchors.to(device), valid.to(device)
 
 
+def path_mask(tokens: TokenBatch, anchors: Tensor, anchor_valid: Tensor, path_length: int) -> Tensor:
+    """[B, A, L] bool: whether path token l (position t+2+l of anchor t) is still inside the answer. A path stops
+    at the answer's end: at the first position that is not a loss token (the end of the row, a next user turn),
+    and every later token with it, so no path is scored where decoding would have stopped."""
+    width = tokens.loss_mask.shape[1]
+    positions = anchors[:, :, None] + 2 + torch.arange(path_length, device=anchors.device)  # [B, A, L]
+    inside = positions < width
+    answer = tokens.loss_mask.to(anchors.device).gather(1, positions.clamp(max=width - 1).flatten(1))
+    answer = answer.view_as(positions) & inside
+    return answer.long().cumprod(-1).bool() & anchor_valid[:, :, None]
+
+
 def _gather_positions(values: Tensor, positions: Tensor) -> Tensor:
     """values [B, T, ...] at positions [B, A] -> [B, A, ...]."""
     index = positions.reshape(*positions.shape, *([1] * (values.dim() - 2)))
@@ -106,7 +120,7 @@ def target_rollouts(
     """
     batch_size, num_anchors = anchors.shape
     slots = num_samples + 1  # S samples, then the greedy path
-    logits = target.logits(_gather_positions(batch.target_hidden, anchors + 1))  # [B, A, V]
+    logits = target.float_logits(_gather_positions(batch.target_hidden, anchors + 1))  # [B, A, V]
     logits = logits[:, :, None].expand(-1, -1, slots, -1)
     past_lens = (anchors + 2)[:, :, None].expand(-1, -1, slots).reshape(batch_size, -1)  # [B, A*K]
     token_ids, token_logprobs = [], []
@@ -128,8 +142,8 @@ def target_rollouts(
         flat_ids = step_ids.reshape(batch_size, -1)  # [B, A*K]
         block = _slot_mask(flat_ids.shape[1], depth + 1, flat_ids.device).expand(batch_size, -1, -1)
         out = target.forward(cache, flat_ids, torch.full_like(flat_ids, depth), block, need_aux=False,
-                             past_lens=past_lens)
-        logits = out.logits.reshape(batch_size, num_anchors, slots, -1)
+                             past_lens=past_lens, logit_positions=flat_ids.new_zeros(batch_size, 0))
+        logits = target.float_logits(out.last_hidden).reshape(batch_size, num_anchors, slots, -1)
     cache.drop_block()
     ids, logprobs = torch.stack(token_ids, -1), torch.stack(token_logprobs, -1)  # [B, A, K, L]
     corrections = PathScores(ids[:, :, :num_samples], logprobs[:, :, :num_samples])
@@ -208,16 +222,16 @@ def score_paths_packed(
     sequence's own logits at t+1.
     """
     batch_size, num_anchors, num_samples, path_length = paths.shape
-    first = target.logits(_gather_positions(batch.target_hidden, anchors + 1))  # [B, A, V]
+    first = target.float_logits(_gather_positions(batch.target_hidden, anchors + 1))  # [B, A, V]
     logprobs = [torch.log_softmax(first.float(), -1)[:, :, None].expand(-1, -1, num_samples, -1)
                 .gather(-1, paths[..., :1])[..., 0]]
     if path_length == 1:
         return torch.stack(logprobs, -1)
     trie = _build_tries(paths, anchors)
     out = target.forward(cache, trie.token_ids, trie.depths, trie.ancestors, need_aux=False,
-                         past_lens=trie.past_lens)
+                         past_lens=trie.past_lens, logit_positions=trie.token_ids.new_zeros(batch_size, 0))
     cache.drop_block()
-    node_logprobs = torch.log_softmax(out.logits.float(), -1)  # [B, N, V]
+    node_logprobs = torch.log_softmax(target.float_logits(out.last_hidden), -1)  # [B, N, V]
     for depth in range(1, path_length):
         nodes = trie.node_of[..., depth - 1].reshape(batch_size, -1)  # [B, A*S] node of prefix z_<=depth
         rows = node_logprobs.gather(1, nodes[:, :, None].expand(-1, -1, node_logprobs.shape[-1]))
@@ -292,7 +306,7 @@ class EStepPaths:
     correction_draft_lps: Tensor  # log q_psi of correction tokens, with grad
     greedy_target_lps: Tensor  # [B*A, L] log p_theta of z_bar's tokens
     greedy_draft_lps: Tensor  # [B*A, L] log q_psi of z_bar's tokens (detached; -inf outside the draft vocab)
-    mask: Tensor  # bool, False for the unused anchors of short rows
+    mask: Tensor  # bool, False for the unused anchors of short rows and past the answer's end (`path_mask`)
     step0_hidden: Tensor  # [B, T, H] drafter step 0 at every position
     proposal_ids: Tensor | None = None  # target ids of the proposals (for the oracle's tie rule)
     correction_ids: Tensor | None = None  # target ids of the corrections
@@ -317,7 +331,8 @@ def run_estep(drafter: Drafter, target: Target, batch: FeatureBatch, num_anchors
         correction_draft_lps=_per_anchor(drafted.teacher_logprobs[:, :, :num_samples]),
         greedy_target_lps=_per_anchor(greedy.target_logprobs)[:, 0],
         greedy_draft_lps=_per_anchor(drafted.teacher_logprobs[:, :, num_samples:]).detach()[:, 0],
-        mask=_per_anchor(anchor_valid[:, :, None, None].expand_as(drafted.proposals)),
+        mask=_per_anchor(path_mask(batch.tokens, anchors, anchor_valid, path_length)[:, :, None].expand_as(
+            drafted.proposals)),
         step0_hidden=drafted.step0_hidden,
         proposal_ids=_per_anchor(drafted.proposals),
         correction_ids=_per_anchor(corrections.token_ids),

@@ -78,8 +78,11 @@ class TrainState:
 
 
 def lr_lambda(config: TrainConfig, total_steps: int):
-    """Linear warm-up over warmup_ratio of the steps, then cosine to min_lr_ratio x peak (or linear to 0)."""
+    """Linear warm-up over warmup_steps (when > 0, else warmup_ratio of the steps), then cosine to min_lr_ratio x
+    peak (or linear to 0)."""
     warmup = max(1, math.ceil(config.warmup_ratio * total_steps)) if config.warmup_ratio > 0 else 0
+    if config.warmup_steps > 0:
+        warmup = config.warmup_steps
 
     def factor(step: int) -> float:
         if step < warmup:

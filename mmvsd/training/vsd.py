@@ -205,7 +205,8 @@ def vsd_surrogate(
     proposal_passed              [A, S, L]: o~ > 0, for metrics only
     beta, zeta                   [A, S, L]: from `leave_one_out_acceptance`, `car_weights`
     mask                         [A, S, L]: False on padded prefixes
-    returns loss [], metrics {oracle_pass_rate (proposals kept), final_pass_rate, mean_beta, mean_zeta,
+    returns loss [], metrics {oracle_pass_rate (proposals kept), final_pass_rate, mean_beta,
+                              zeta_peak (S x max zeta: 1 uniform, S one-hot), zeta_entropy (nats: log S uniform),
                               mean_correction (beta*zeta as applied), num_anchors_used}
     """
     valid = torch.ones_like(final_oracle, dtype=torch.bool) if mask is None else mask.bool()
@@ -239,10 +240,37 @@ def _surrogate_metrics(
         "oracle_pass_rate": mean(proposal_passed.bool()),
         "final_pass_rate": mean(final_weight > 0),
         "mean_beta": mean(beta),
-        "mean_zeta": mean(zeta),
+        "zeta_peak": _zeta_peak(zeta, valid),
+        "zeta_entropy": _zeta_entropy(zeta, valid),
         "mean_correction": mean(correction),
         "num_anchors_used": num_used.detach(),
     }
+
+
+def _zeta_columns(zeta: Tensor, valid: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """zeta renormalised over the S samples of each (anchor, length) column [A, S, L], the number of samples in
+    each column [A, 1, L], and which columns have any."""
+    weights = (zeta.detach().float() * valid).clamp(min=0)
+    total = weights.sum(SAMPLE_DIM, keepdim=True)
+    probs = weights / total.clamp(min=1e-30)
+    size = valid.sum(SAMPLE_DIM, keepdim=True)
+    return probs, size, (total > 0).squeeze(SAMPLE_DIM)
+
+
+def _zeta_peak(zeta: Tensor, valid: Tensor) -> Tensor:
+    """Mean over columns of S x max_s zeta: 1 when CAR weighs the S proposals alike, S when one takes it all (the
+    mean of zeta is 1/S whatever the weights, so it says nothing)."""
+    probs, size, used = _zeta_columns(zeta, valid)
+    peak = probs.amax(SAMPLE_DIM) * size.squeeze(SAMPLE_DIM)
+    return (peak * used).sum() / used.sum().clamp(min=1)
+
+
+def _zeta_entropy(zeta: Tensor, valid: Tensor) -> Tensor:
+    """Mean over columns of the entropy of zeta (nats): log S when CAR weighs the S proposals alike, 0 when one
+    takes it all."""
+    probs, _, used = _zeta_columns(zeta, valid)
+    entropy = -(probs * probs.clamp(min=1e-30).log()).sum(SAMPLE_DIM)
+    return (entropy * used).sum() / used.sum().clamp(min=1)
 
 
 def oracle_diagnostics(
@@ -252,19 +280,23 @@ def oracle_diagnostics(
 
     correction_pass_rate   share of corrections (target samples) that pass the oracle
     greedy_kappa_one_rate  share of anchors with kappa(z_bar_<=L) = 1 (then only kappa = 1 passes)
-    mean_log_kappa         mean over proposals of log kappa(z~_<=L): the ELBO's E_q[log kappa] at l = L
+    mean_log_kappa         mean over proposals of log kappa of the whole path (z~_<=L, or up to the answer's end)
     proposal_log_kappa [A, S, L], greedy_log_kappa [A, L], correction_passed [A, S, L] bool,
     mask [A, S, L] bool (an anchor is used when any of its prefixes is)
     """
     valid = mask.bool()
     count = valid.sum().clamp(min=1)
     anchor_used = valid.flatten(1).any(1)  # [A]
-    last_valid = valid[..., -1]  # [A, S]
+    lengths = valid.long().sum(-1)  # [A, S] prefixes per path (a path may stop at the answer's end)
+    last_valid = lengths > 0
+    anchor_lengths = lengths.max(-1).values  # [A] (every sample of an anchor shares its mask)
+    greedy_last_log_kappa = greedy_log_kappa.detach().gather(-1, (anchor_lengths - 1).clamp(min=0)[:, None])[:, 0]
+    last_log_kappa = proposal_log_kappa.detach().gather(-1, (lengths - 1).clamp(min=0)[..., None])[..., 0]
     return {
         "correction_pass_rate": (correction_passed.bool() & valid).sum() / count,
-        "greedy_kappa_one_rate": ((greedy_log_kappa[:, -1].detach() >= 0) & anchor_used).sum()
+        "greedy_kappa_one_rate": ((greedy_last_log_kappa >= 0) & anchor_used).sum()
         / anchor_used.sum().clamp(min=1),
-        "mean_log_kappa": (proposal_log_kappa[..., -1].detach() * last_valid).sum() / last_valid.sum().clamp(min=1),
+        "mean_log_kappa": (last_log_kappa * last_valid).sum() / last_valid.sum().clamp(min=1),
     }
 
 
