@@ -1,22 +1,28 @@
-"""CE vs the paper's VSD recipe, both continued from one trained CE drafter: tau with 95% intervals.
+"""CE vs the paper's VSD recipe (and other objectives), all continued from one trained CE drafter, with 95% intervals.
 
 The paper adds its variational term to an already trained drafter's own loss and trains on at a
 small learning rate (5e-6 vs 3e-4 from scratch). This study does the same on CPU scale:
 
-1. same steps: every arm (default `ce` and `recipe` = `ce+vsd` with the provisional weights) and
-   seed continues `--init` for `--steps` optimizer steps; wall time per run is recorded;
-2. same wall clock: the budget is the median wall time of the `--budget-arm` runs of phase 1 (or
-   `--wall-seconds`); every other arm trains again for as many steps as its measured seconds per
-   step allow (the budget arm's phase-1 runs are its same-wall-clock runs);
-3. tau at T = 0 with the acceptance evaluator (`mmvsd.training.acceptance`, the target's greedy continuation
-   replayed, exact) on held-out prompts, optionally at T = 1 with `speculative_generate`;
-4. per arm: tau pooled over prompts (new tokens / target forwards) averaged over seeds, a bootstrap
-   95% interval over prompts (seeds averaged inside each resample), the spread over seeds; per arm
-   vs `--baseline-arm` (ce): the paired difference and ratio with their bootstrap intervals.
+1. same steps: every arm (default `ce` and `recipe` = `ce+vsd`, i.e. ce + 0.1 * vsd) and seed continues
+   `--init` for `--steps` optimizer steps, seed by seed; wall time per run is recorded. With
+   `--session-minutes` an invocation trains that long and stops (exit 3); the next one resumes every run
+   from its checkpoint. When a run first reaches `--check-steps` its weights must have moved by `--min-move`
+   (relative L2), else the study stops and says to raise `--lr` (the manipulation check);
+2. same wall clock (not with `--session-minutes`): the budget is the median wall time of the `--budget-arm`
+   runs of phase 1 (or `--wall-seconds`); every other arm trains again for as many steps as its measured
+   seconds per step allow (the budget arm's phase-1 runs are its same-wall-clock runs);
+3. metrics on held-out prompts: with `--accept-depth D`, the exact expected accepted length of a depth-D
+   chain sampled from the drafter along the target's T = 1 continuations (`expected_acceptance`: no
+   sampling noise in the measurement); tau at T = 0 with the acceptance evaluator (the target's greedy
+   continuation replayed, exact) and at T > 0 with `speculative_generate`;
+4. per arm: the metric pooled over prompts (new tokens / target forwards; summed expected acceptance /
+   anchors), averaged over seeds; a 95% interval from a hierarchical bootstrap (seeds with replacement per
+   arm, then prompts, shared by every arm); per arm vs `--baseline-arm` (ce): the paired difference and
+   ratio with their intervals.
 
 Writes OUT/study.json (config, every run, per-prompt counts, summary), OUT/study.md (table) and
 OUT/study.png. Runs already trained under OUT/runs/ are reused (delete one to retrain it), and so are
-measurements already made (OUT/eval_cache.json, keyed by the drafter's weights, prompts, tree and temperature).
+measurements already made (OUT/eval_cache.json, keyed by the drafter's weights, prompts, tree and metric).
 
     python benchmarks/vsd_study.py --init runs/ce_main --out benchmarks/results/vsd_study \\
         --feature-cache runs/cache --steps 60 --seeds 3 --lr 3e-5 \\
@@ -51,11 +57,21 @@ def pooled_tau(new_tokens: np.ndarray, forwards: np.ndarray) -> np.ndarray:
     return new_tokens.sum(-1) / np.maximum(forwards.sum(-1), 1)
 
 
-def bootstrap_taus(new_tokens: np.ndarray, forwards: np.ndarray, resamples: np.ndarray) -> np.ndarray:
-    """Seed-averaged pooled tau of each prompt resample: counts [R, P], resamples [N, P] indices -> [N]."""
+def bootstrap_taus(new_tokens: np.ndarray, forwards: np.ndarray, resamples: np.ndarray,
+                   seed_draws: np.ndarray | None = None) -> np.ndarray:
+    """Seed-averaged pooled tau of each resample: counts [R, P], prompt resamples [N, P] -> [N]. Hierarchical with
+    `seed_draws` [N, R] (seeds drawn with replacement, then prompts): the spread of training seeds counts too."""
     new = new_tokens[:, resamples].sum(-1)  # [R, N]
     fwd = np.maximum(forwards[:, resamples].sum(-1), 1)
-    return (new / fwd).mean(0)
+    taus = new / fwd
+    if seed_draws is None:
+        return taus.mean(0)
+    return taus[seed_draws.T, np.arange(taus.shape[1])].mean(0)  # [R', N] -> [N]
+
+
+def seed_resamples(num_seeds: int, num_resamples: int, seed: int) -> np.ndarray:
+    """[N, R] seed indices drawn with replacement (one arm's; arms are independent runs, so each draws its own)."""
+    return np.random.default_rng(seed).integers(0, num_seeds, size=(num_resamples, num_seeds))
 
 
 def prompt_resamples(num_prompts: int, num_resamples: int, seed: int) -> np.ndarray:
@@ -68,12 +84,14 @@ def percentile_interval(values: np.ndarray, level: float = 0.95) -> list[float]:
     return [float(np.percentile(values, tail)), float(np.percentile(values, 100 - tail))]
 
 
-def summarise_arm(new_tokens: np.ndarray, forwards: np.ndarray, resamples: np.ndarray) -> dict:
-    """tau (mean over seeds of the pooled tau), its 95% bootstrap interval over prompts, seed spread."""
+def summarise_arm(new_tokens: np.ndarray, forwards: np.ndarray, resamples: np.ndarray,
+                  seed_draws: np.ndarray | None = None) -> dict:
+    """tau (mean over seeds of the pooled tau), its 95% bootstrap interval (over prompts, or seeds then prompts
+    with `seed_draws`), seed spread."""
     seed_taus = pooled_tau(new_tokens, forwards)
     return {
         "tau": float(seed_taus.mean()),
-        "ci95": percentile_interval(bootstrap_taus(new_tokens, forwards, resamples)),
+        "ci95": percentile_interval(bootstrap_taus(new_tokens, forwards, resamples, seed_draws)),
         "seed_taus": [float(t) for t in seed_taus],
         "seed_std": float(seed_taus.std(ddof=1)) if len(seed_taus) > 1 else 0.0,
         "mean_prompt_tau": float((new_tokens / np.maximum(forwards, 1)).mean()),
@@ -81,9 +99,13 @@ def summarise_arm(new_tokens: np.ndarray, forwards: np.ndarray, resamples: np.nd
 
 
 def compare_arms(arm: tuple[np.ndarray, np.ndarray], baseline: tuple[np.ndarray, np.ndarray],
-                 resamples: np.ndarray, goal_ratio: float = 1.05) -> dict:
-    """Paired (same prompt resamples) difference and ratio of arm vs baseline, with 95% intervals."""
-    arm_boot, base_boot = bootstrap_taus(*arm, resamples), bootstrap_taus(*baseline, resamples)
+                 resamples: np.ndarray, goal_ratio: float = 1.05,
+                 seed_draws: tuple[np.ndarray, np.ndarray] | None = None) -> dict:
+    """Paired (same prompt resamples) difference and ratio of arm vs baseline, with 95% intervals; hierarchical
+    with `seed_draws` (the arm's and the baseline's own seed draws, then the shared prompt resamples)."""
+    arm_draws, base_draws = seed_draws if seed_draws is not None else (None, None)
+    arm_boot = bootstrap_taus(*arm, resamples, arm_draws)
+    base_boot = bootstrap_taus(*baseline, resamples, base_draws)
     arm_tau, base_tau = float(pooled_tau(*arm).mean()), float(pooled_tau(*baseline).mean())
     diff_ci = percentile_interval(arm_boot - base_boot)
     ratio = arm_tau / base_tau
@@ -120,28 +142,70 @@ def run_config(args: argparse.Namespace, arm: Arm, seed: int, steps: int, output
     from mmvsd.training.config import load_train_config
 
     study = [f"learning_rate={args.lr}", f"max_steps={steps}", f"seed={seed}", "progress=false",
-             f"save_every={steps}", "keep_checkpoints=1", "eval_every=0"]
+             f"save_every={min(steps, args.save_every)}", "keep_checkpoints=1", "eval_every=0"]
     if args.feature_cache:
         study += ["features=offline", f"feature_cache={args.feature_cache}"]
     flags = {"target": args.target, "init": args.init, "objective": arm.objective, "output": str(output)}
     return load_train_config(args.config, flags, [*args.set, *arm.overrides, *study])
 
 
-def train_run(args: argparse.Namespace, target, arm: Arm, seed: int, steps: int, output: Path) -> dict:
-    """Train one run (or reuse a finished one); returns {arm, seed, steps, seconds, folder}."""
-    from mmvsd.files import atomic_file
-    from mmvsd.training.trainer import train
+class Unfinished(Exception):
+    """The session's training budget ran out: the study goes on when it is run again."""
 
-    record_path = output / RUN_FILE
+
+def weights_moved(init_folder: str, run_folder: Path, target) -> float:
+    """||w - w0|| / ||w0|| over every drafter weight: how far a run's drafter moved from the one it continues."""
+    from mmvsd.drafters.spec import neural_drafter_from_spec
+
+    start = dict(neural_drafter_from_spec(init_folder, target).named_parameters())
+    moved = dict(neural_drafter_from_spec(str(run_folder), target).named_parameters())
+    change = sum(float((moved[k].detach().float() - w.detach().float()).pow(2).sum()) for k, w in start.items())
+    size = sum(float(w.detach().float().pow(2).sum()) for w in start.values())
+    return (change / max(size, 1e-30)) ** 0.5
+
+
+def train_run(args: argparse.Namespace, target, arm: Arm, seed: int, steps: int, output: Path,
+              deadline: float = float("inf")) -> dict:
+    """Train one run (or reuse a finished one); returns {arm, seed, steps, seconds, folder, moved}. With a
+    `deadline` (time.monotonic()), a run trains until it and resumes from its checkpoint next time (Unfinished).
+    When a run first reaches --check-steps its weights must have moved by --min-move (the manipulation check)."""
+    from mmvsd.errors import UserError
+    from mmvsd.files import atomic_file
+    from mmvsd.training.trainer import STATE_FILE, latest_checkpoint, train
+
+    record_path, progress_path = output / RUN_FILE, output / "study_progress.json"
     if record_path.is_file():
         record = json.loads(record_path.read_text())
         if record["steps"] == steps and record["objective"] == arm.objective:
             return record
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise Unfinished
     config = run_config(args, arm, seed, steps, output)
+    if remaining != float("inf"):
+        config.max_minutes = remaining / 60
+    progress = json.loads(progress_path.read_text()) if progress_path.is_file() else {"seconds": 0.0, "chunks": 0}
+    resume = latest_checkpoint(output) is not None
     start = time.perf_counter()
-    train(config, target=target)
+    train(config, target=target, resume=resume)
+    progress["seconds"] += time.perf_counter() - start
+    progress["chunks"] += 1
+    done = json.loads((latest_checkpoint(output) / STATE_FILE).read_text())["step"]
+    progress["moved"] = weights_moved(args.init, output, target)
+    first_check = "moved_at_check" not in progress and done >= min(args.check_steps, steps)
+    if first_check:
+        progress["moved_at_check"], progress["check_step"] = progress["moved"], done
+    with atomic_file(progress_path) as handle:
+        json.dump(progress, handle, indent=1)
+    if first_check and progress["moved"] < args.min_move:
+        raise UserError(f"manipulation check: run {output.name} moved its weights by {progress['moved']:.2%} "
+                        f"(||w - w0|| / ||w0||) in its first {done} steps, under --min-move {args.min_move:.0%}: "
+                        f"raise --lr (now {args.lr:g}) and start again (delete {Path(args.out) / 'runs'})")
+    if done < steps:
+        raise Unfinished
     record = {"arm": arm.name, "objective": arm.objective, "overrides": arm.overrides, "seed": seed, "steps": steps,
-              "seconds": time.perf_counter() - start, "folder": str(output)}
+              "seconds": progress["seconds"], "folder": str(output), "moved": progress["moved"],
+              "moved_at_check": progress.get("moved_at_check"), "check_step": progress.get("check_step")}
     with atomic_file(record_path) as handle:
         json.dump(record, handle, indent=1)
     return record
@@ -151,11 +215,21 @@ def train_all(args: argparse.Namespace, target, arms: list[Arm]) -> list[dict]:
     """Phase 1 (same steps) for every arm and seed, then phase 2 (same wall clock) for the others,
     unless only the same-steps budget is evaluated."""
     runs_dir = Path(args.out) / "runs"
-    runs = []
-    for arm in arms:
-        for seed in range(args.seeds):
-            record = train_run(args, target, arm, seed, args.steps, runs_dir / f"{arm.name}-steps-s{seed}")
+    deadline = time.monotonic() + 60 * args.session_minutes if args.session_minutes > 0 else float("inf")
+    runs, unfinished = [], []
+    for seed in range(args.seeds):  # seed by seed: a stopped study has whole seeds of every arm
+        for arm in arms:
+            try:
+                record = train_run(args, target, arm, seed, args.steps, runs_dir / f"{arm.name}-steps-s{seed}",
+                                   deadline)
+            except Unfinished:
+                unfinished.append(f"{arm.name}-steps-s{seed}")
+                continue
             runs.append({**record, "budget": "steps"})
+    if unfinished:
+        print(f"study: --session-minutes {args.session_minutes:g} spent; {len(unfinished)} run(s) unfinished "
+              f"({', '.join(unfinished)}): run the same command again to go on", file=sys.stderr)
+        raise Unfinished
     if "wall" not in args.evaluate_budgets:
         return runs  # no same-wall-clock runs to train
     budget = args.wall_seconds or statistics.median(r["seconds"] for r in runs if r["arm"] == args.budget_arm)
@@ -181,25 +255,38 @@ class PromptSet:
     name: str
     prompts: list  # `Prompt` per prompt (token ids, and the media embeddings of image prompts)
     continuations: list[list[int]] | None = None  # the target's greedy continuations (T = 0)
+    sampled: list[list[int]] | None = None  # the target's continuations sampled at T = 1 (the accept metric)
 
 
-def load_prompt_sets(target, specs: list[str], limit: int, max_new_tokens: int) -> list[PromptSet]:
+def load_prompt_sets(target, specs: list[str], limit: int, max_new_tokens: int, sample_seed: int | None = None
+                     ) -> list[PromptSet]:
     """Held-out prompts per benchmark, prompt file or image task (e.g. `vqav2_val_mini_long`, its images
-    through the target's modality adapter) with the target's cached greedy continuations."""
+    through the target's modality adapter) with the target's cached greedy continuations, and continuations
+    sampled at T = 1 with `sample_seed` when it is given."""
     from mmvsd.prompts import load_eval_prompts
     from mmvsd.training.acceptance import cached_greedy_continuations
 
     sets = []
     for spec in specs:
         prompts = load_eval_prompts(target, spec, limit)
-        sets.append(PromptSet(Path(spec).stem, prompts, cached_greedy_continuations(target, prompts, max_new_tokens)))
+        greedy = cached_greedy_continuations(target, prompts, max_new_tokens)
+        sampled = None
+        if sample_seed is not None:
+            sampled = cached_greedy_continuations(target, prompts, max_new_tokens, temperature=1.0, seed=sample_seed)
+        sets.append(PromptSet(Path(spec).stem, prompts, greedy, sampled))
     return sets
 
 
 def measure_counts(target, drafter, prompt_set: PromptSet, shape, temperature: float, seed: int = 0,
-                   batch_size: int = 8, sampled_limit: int = 0) -> tuple[list[int], list[int]]:
+                   batch_size: int = 8, sampled_limit: int = 0, accept_depth: int = 0) -> tuple[list, list]:
     """Per-prompt (new tokens, target forwards): the evaluator's exact replay at T = 0, generate at T > 0
-    (on the first `sampled_limit` prompts of the set when it is set: sampling runs the whole decode loop)."""
+    (on the first `sampled_limit` prompts of the set when it is set: sampling runs the whole decode loop).
+    With `accept_depth`: (summed expected accepted length, anchors) along the sampled continuations instead."""
+    if accept_depth:
+        from mmvsd.training.acceptance import expected_acceptance
+
+        pairs = expected_acceptance(target, drafter, prompt_set.prompts, prompt_set.sampled, accept_depth, batch_size)
+        return [total for total, _ in pairs], [count for _, count in pairs]
     if temperature == 0:
         from mmvsd.training.acceptance import evaluate_acceptance
 
@@ -223,19 +310,23 @@ def measured_prompts(prompt_set: PromptSet, temperature: float, sampled_limit: i
     return prompt_set.prompts if temperature == 0 else prompt_set.prompts[: sampled_limit or None]
 
 
-def evaluation_key(args: argparse.Namespace, digest: str, temperature: float, prompt_set: PromptSet) -> str:
-    """Everything a measurement depends on: weights (`weights_sha256`), target, prompts, tree, temperature, seed."""
+def evaluation_key(args: argparse.Namespace, digest: str, metric: str, prompt_set: PromptSet) -> str:
+    """Everything a measurement depends on: weights (`weights_sha256`), target, prompts, tree, metric, seed."""
+    if metric == "accept":
+        return json.dumps([digest, args.target, prompt_set.name, len(prompt_set.prompts), args.max_new_tokens,
+                           "accept", args.accept_depth, args.eval_seed])
+    temperature = float(metric)
     prompts = len(measured_prompts(prompt_set, temperature, args.sampled_limit))
     return json.dumps([digest, args.target, prompt_set.name, prompts, args.max_new_tokens, args.tree,
-                       float(temperature), args.eval_seed])
+                       temperature, args.eval_seed])
 
 
 def evaluate_all(args: argparse.Namespace, target, runs: list[dict], prompt_sets: list[PromptSet]) -> dict:
-    """{folder: {temperature: {set: [new, forwards]}}} for every distinct run folder and the init drafter
+    """{folder: {metric: {set: [numerators, denominators]}}} for every distinct run folder and the init drafter
     (the neural drafter alone: no n-gram branches in its trees, which would blur the comparison).
 
     Each measurement is kept in OUT/eval_cache.json as soon as it is made, keyed by `evaluation_key`, so
-    an interrupted study, or one asked for another budget or temperature, measures only what is new."""
+    an interrupted study, or one asked for another budget or metric, measures only what is new."""
     from mmvsd.decoding.tree import TreeShape
     from mmvsd.drafters.spec import neural_drafter_from_spec
     from mmvsd.files import atomic_file
@@ -250,13 +341,15 @@ def evaluate_all(args: argparse.Namespace, target, runs: list[dict], prompt_sets
         drafter = neural_drafter_from_spec(folder, target).eval()
         digest = weights_sha256(drafter)
         counts[folder] = {}
-        for temperature in args.temperatures:
-            by_set = counts[folder][str(temperature)] = {}
+        for metric in metric_names(args):
+            by_set = counts[folder][metric] = {}
             for ps in prompt_sets:
-                key = evaluation_key(args, digest, temperature, ps)
+                key = evaluation_key(args, digest, metric, ps)
                 if key not in cache:
+                    accept = args.accept_depth if metric == "accept" else 0
+                    temperature = 0.0 if metric == "accept" else float(metric)
                     cache[key] = measure_counts(target, drafter, ps, shape, temperature, seed=args.eval_seed,
-                                                sampled_limit=args.sampled_limit)
+                                                sampled_limit=args.sampled_limit, accept_depth=accept)
                     with atomic_file(cache_path) as handle:
                         json.dump(cache, handle)
                 by_set[ps.name] = [list(cache[key][0]), list(cache[key][1])]
@@ -266,43 +359,61 @@ def evaluate_all(args: argparse.Namespace, target, runs: list[dict], prompt_sets
 # ----------------------------------------------------------------------------- summary and reports
 
 
-def arm_counts(counts: dict, folders: list[str], temperature: str, set_names: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """[R, P] new tokens and forwards of the given run folders over the concatenated prompt sets."""
-    new = np.array([[n for s in set_names for n in counts[f][temperature][s][0]] for f in folders], dtype=float)
-    fwd = np.array([[n for s in set_names for n in counts[f][temperature][s][1]] for f in folders], dtype=float)
+def arm_counts(counts: dict, folders: list[str], metric: str, set_names: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """[R, P] numerators and denominators (new tokens and forwards; summed expected acceptance and anchors) of the
+    given run folders over the concatenated prompt sets."""
+    new = np.array([[n for s in set_names for n in counts[f][metric][s][0]] for f in folders], dtype=float)
+    fwd = np.array([[n for s in set_names for n in counts[f][metric][s][1]] for f in folders], dtype=float)
     return new, fwd
 
 
+def metric_names(args: argparse.Namespace) -> list[str]:
+    """What each run is measured by: "accept" (the exact expected accepted length along sampled continuations,
+    with --accept-depth) and tau at each of --temperatures ("0", "1", ...)."""
+    return (["accept"] if args.accept_depth else []) + [f"{t:g}" for t in args.temperatures]
+
+
 def summarise(args: argparse.Namespace, runs: list[dict], counts: dict, set_names: list[str]) -> list[dict]:
-    """One row per (temperature, prompt set or 'all', budget, arm), with the comparison to the baseline."""
+    """One row per (metric, prompt set or 'all', budget, arm), with the comparison to the baseline. Intervals are
+    hierarchical: seeds drawn with replacement per arm, then prompts (shared by every arm: paired)."""
     rows = []
-    for temperature in map(str, args.temperatures):
+    for metric in metric_names(args):
         for group in [*set_names, "all"] if len(set_names) > 1 else set_names:
             names = set_names if group == "all" else [group]
-            num_prompts = sum(len(counts[args.init][temperature][s][0]) for s in names)
+            num_prompts = sum(len(counts[args.init][metric][s][0]) for s in names)
             resamples = prompt_resamples(num_prompts, args.bootstrap, args.bootstrap_seed)
-            init = arm_counts(counts, [args.init], temperature, names)
-            rows.append({"temperature": float(temperature), "prompts": group, "budget": "-", "arm": "init", "steps": 0,
+            init = arm_counts(counts, [args.init], metric, names)
+            rows.append({"metric": metric, "prompts": group, "budget": "-", "arm": "init", "steps": 0,
                          **summarise_arm(*init, resamples)})
             for budget in args.evaluate_budgets:
                 by_arm = {}
                 for run in runs:
                     if run["budget"] == budget:
                         by_arm.setdefault(run["arm"], []).append(run)
-                baseline = arm_counts(counts, [r["folder"] for r in by_arm[args.baseline_arm]], temperature, names)
+                draws = {arm: seed_resamples(len(arm_runs), args.bootstrap, args.bootstrap_seed + 1 + i)
+                         for i, (arm, arm_runs) in enumerate(sorted(by_arm.items()))}
+                baseline = arm_counts(counts, [r["folder"] for r in by_arm[args.baseline_arm]], metric, names)
                 for arm, arm_runs in by_arm.items():
-                    data = arm_counts(counts, [r["folder"] for r in arm_runs], temperature, names)
-                    row = {"temperature": float(temperature), "prompts": group, "budget": budget, "arm": arm,
-                           "steps": arm_runs[0]["steps"], **summarise_arm(*data, resamples)}
+                    data = arm_counts(counts, [r["folder"] for r in arm_runs], metric, names)
+                    row = {"metric": metric, "prompts": group, "budget": budget, "arm": arm,
+                           "steps": arm_runs[0]["steps"], **summarise_arm(*data, resamples, draws[arm])}
                     if arm != args.baseline_arm:
-                        row["vs_baseline"] = compare_arms(data, baseline, resamples, args.goal_ratio)
+                        row["vs_baseline"] = compare_arms(data, baseline, resamples, args.goal_ratio,
+                                                          (draws[arm], draws[args.baseline_arm]))
                     rows.append(row)
     return rows
 
 
+METRIC_TITLES = {"accept": "E[accepted] T=1"}
+
+
+def metric_title(metric: str) -> str:
+    return METRIC_TITLES.get(metric, f"tau T={metric}")
+
+
 def markdown_table(rows: list[dict], baseline: str) -> str:
-    header = (f"| T | prompts | budget | arm | steps | tau (95% CI over prompts) | seeds (std) | vs {baseline}: ratio "
-              "(95% CI) | diff (95% CI) | goal |")
+    header = (f"| metric | prompts | budget | arm | steps | value (95% CI: seeds, then prompts) | seeds (std) | "
+              f"vs {baseline}: ratio (95% CI) | diff (95% CI) | goal |")
     lines = [header, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         seeds = ", ".join(f"{t:.3f}" for t in r["seed_taus"])
@@ -310,13 +421,13 @@ def markdown_table(rows: list[dict], baseline: str) -> str:
         vs = (f"{cmp['ratio']:.3f} [{cmp['ratio_ci95'][0]:.3f}, {cmp['ratio_ci95'][1]:.3f}] | "
               f"{cmp['diff']:+.3f} [{cmp['diff_ci95'][0]:+.3f}, {cmp['diff_ci95'][1]:+.3f}] | "
               f"{'met' if cmp['goal_met'] else 'not met'}") if cmp else "- | - | -"
-        lines.append(f"| {r['temperature']:g} | {r['prompts']} | {r['budget']} | {r['arm']} | {r['steps']} | "
+        lines.append(f"| {metric_title(r['metric'])} | {r['prompts']} | {r['budget']} | {r['arm']} | {r['steps']} | "
                      f"{r['tau']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] | {seeds} ({r['seed_std']:.3f}) | {vs} |")
     return "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    """tau with 95% intervals per arm, one panel per (temperature, budget); seeds as dots, init as a line."""
+    """Each metric with 95% intervals per arm, one panel per (metric, budget); seeds as dots, init as a line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -324,23 +435,23 @@ def plot(rows: list[dict], path: Path) -> None:
 
     group = "all" if any(r["prompts"] == "all" for r in rows) else rows[0]["prompts"]
     rows = [r for r in rows if r["prompts"] == group]
-    temperatures = sorted({r["temperature"] for r in rows})
+    metrics = list(dict.fromkeys(r["metric"] for r in rows))
     budgets = [b for b in ("steps", "wall") if any(r["budget"] == b for r in rows)]
-    fig, axes = plt.subplots(len(temperatures), len(budgets), figsize=(5 * len(budgets), 3.6 * len(temperatures)),
+    fig, axes = plt.subplots(len(metrics), len(budgets), figsize=(5 * len(budgets), 3.6 * len(metrics)),
                              squeeze=False)
-    for i, temperature in enumerate(temperatures):
-        init = next(r for r in rows if r["temperature"] == temperature and r["arm"] == "init")
+    for i, metric in enumerate(metrics):
+        init = next(r for r in rows if r["metric"] == metric and r["arm"] == "init")
         for j, budget in enumerate(budgets):
             ax = axes[i][j]
-            mine = [r for r in rows if r["temperature"] == temperature and r["budget"] == budget]
+            mine = [r for r in rows if r["metric"] == metric and r["budget"] == budget]
             for x, r in enumerate(mine):
                 ax.errorbar([x], [r["tau"]], yerr=[[r["tau"] - r["ci95"][0]], [r["ci95"][1] - r["tau"]]], fmt="o",
                             capsize=4, color="C0")
                 ax.scatter([x] * len(r["seed_taus"]), r["seed_taus"], s=12, color="C1", zorder=3)
             ax.axhline(init["tau"], color="gray", linestyle="--", label=f"init {init['tau']:.3f}")
             ax.set_xticks(range(len(mine)), [f"{r['arm']}\n{r['steps']} steps" for r in mine])
-            ax.set_title(f"T={temperature:g}, same {'steps' if budget == 'steps' else 'wall clock'} ({group})")
-            ax.set_ylabel("tau (95% CI over prompts; dots: seeds)")
+            ax.set_title(f"{metric_title(metric)}, same {'steps' if budget == 'steps' else 'wall clock'} ({group})")
+            ax.set_ylabel("95% CI: seeds, then prompts; dots: seeds")
             ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -384,7 +495,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-limit", type=int, default=80)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--tree", default="60/7/10", help="BUDGET/DEPTH/TOPK")
-    p.add_argument("--temperatures", default="0", help="comma list; T > 0 uses speculative_generate")
+    p.add_argument("--temperatures", default="0", help="tau at these temperatures (comma list; T > 0 runs "
+                   "speculative_generate)")
+    p.add_argument("--accept-depth", type=int, default=0,
+                   help="also measure the exact expected accepted length of a chain this deep along T = 1 "
+                   "continuations (the primary metric of the powered study; 0: off)")
+    p.add_argument("--session-minutes", type=float, default=0.0,
+                   help="training time of this invocation (0: no limit); unfinished runs resume next time (exit 3)")
+    p.add_argument("--min-move", type=float, default=0.0,
+                   help="manipulation check: a run's weights must have moved by this fraction at --check-steps")
+    p.add_argument("--check-steps", type=int, default=1, help="the step of the manipulation check")
+    p.add_argument("--save-every", type=int, default=25, help="checkpoint every N steps (a killed study resumes there)")
     p.add_argument("--sampled-limit", type=int, default=0,
                    help="prompts per set at T > 0 (0: all --eval-limit); sampling runs the whole decode loop")
     p.add_argument("--eval-seed", type=int, default=0)
@@ -410,9 +531,14 @@ def check_args(args: argparse.Namespace, arms: list[Arm]) -> None:
     if not args.evaluate_budgets or not set(args.evaluate_budgets) <= {"steps", "wall"}:
         raise UserError(f"--evaluate-budgets takes steps, wall or both, got {','.join(args.evaluate_budgets)!r}")
     if (args.steps < 1 or args.seeds < 1 or args.lr <= 0 or args.bootstrap < 100 or args.wall_seconds < 0
-            or args.sampled_limit < 0):
+            or args.sampled_limit < 0 or args.accept_depth < 0 or args.session_minutes < 0 or args.min_move < 0
+            or args.check_steps < 1 or args.save_every < 1):
         raise UserError("need --steps >= 1, --seeds >= 1, --lr > 0, --bootstrap >= 100, --wall-seconds >= 0, "
-                        "--sampled-limit >= 0")
+                        "--sampled-limit >= 0, --accept-depth >= 0, --session-minutes >= 0, --min-move >= 0, "
+                        "--check-steps >= 1, --save-every >= 1")
+    if args.session_minutes and "wall" in args.evaluate_budgets:
+        raise UserError("--session-minutes trains in chunks, whose wall time is no budget: use --evaluate-budgets "
+                        "steps")
 
 
 def run_study(args: argparse.Namespace, target=None) -> list[dict]:
@@ -429,7 +555,8 @@ def run_study(args: argparse.Namespace, target=None) -> list[dict]:
     train_target = target if target.dtype == train_dtype else load_target(args.target, dtype=train_dtype)
     runs = [run for run in train_all(args, train_target, arms) if run["budget"] in args.evaluate_budgets]
     specs = [s for s in args.eval_prompts.split(",") if s]
-    prompt_sets = load_prompt_sets(target, specs, args.eval_limit, args.max_new_tokens)
+    prompt_sets = load_prompt_sets(target, specs, args.eval_limit, args.max_new_tokens,
+                                   sample_seed=args.eval_seed if args.accept_depth else None)
     counts = evaluate_all(args, target, runs, prompt_sets)
     rows = summarise(args, runs, counts, [ps.name for ps in prompt_sets])
     write_outputs(args, runs, counts, rows)
@@ -445,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"mmvsd: error: {err}", file=sys.stderr)
         return 2
+    except Unfinished:
+        return 3
     print(markdown_table(rows, args.baseline_arm))
     return 0
 

@@ -92,3 +92,41 @@ def test_two_contexts_accept_beats_cross_entropy_by_construction():
     torch.testing.assert_close(ce.exp(), 0.6 * p1 + 0.4 * p2, atol=2e-3, rtol=0)
     length_ce, length_accept = expected_accepted_length(ce), expected_accepted_length(accept)
     assert accept.exp()[0] > 0.8 and length_accept > 1.2 * length_ce
+
+
+def test_expected_acceptance_is_the_chain_sum_of_products_along_the_continuation(tiny_target):
+    """expected_acceptance: per anchor t, sum_k prod_{i<k} a_i(t) over a depth-3 chain, a_i the exact acceptance of
+    unrolled step i (0 past the continuation), summed over the anchors whose token t+2 is in the continuation after
+    its first token."""
+    from mmvsd.decoding.decode import Prompt
+    from mmvsd.training.acceptance import expected_acceptance
+    from mmvsd.training.features import TokenBatch, capture_features
+
+    _, drafter = setup(tiny_target)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [Prompt(torch.randint(0, 128, (n,), generator=gen).tolist()) for n in (4, 6)]
+    continuations = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (7, 3)]
+    got = expected_acceptance(tiny_target, drafter, prompts, continuations, depth=3, batch_size=1)
+    for (total, count), prompt, cont in zip(got, prompts, continuations, strict=True):
+        ids = torch.tensor([prompt.token_ids + cont])
+        start, end = len(prompt.token_ids), ids.shape[1]
+        mask = (torch.arange(end) >= start)[None]
+        batch = capture_features(tiny_target, TokenBatch(ids, mask, torch.tensor([end])))
+        hiddens, full_logits = unrolled(tiny_target, batch, drafter, 3)
+        p = torch.softmax(full_logits.float(), -1)[0]
+        expected, anchors = 0.0, 0
+        for t in range(end):
+            if t + 2 >= end or t + 2 <= start:  # token `start` is the target's choice at prefill
+                continue
+            anchors += 1
+            survive = 1.0
+            for step in range(3):
+                label = t + 2 + step
+                rate = 0.0
+                if label < end:
+                    q = torch.softmax(drafter.draft_logits(hiddens[step][0, t]).float(), -1)
+                    rate = float(torch.minimum(p[label - 1, 28:], q.detach()).sum())
+                survive *= rate
+                expected += survive
+        assert count == anchors == len(cont) - 1
+        assert total == pytest.approx(expected, abs=1e-4)

@@ -76,10 +76,11 @@ def test_seed_spread_and_table(study):
     new = np.array([[4.0, 6.0], [5.0, 7.0], [6.0, 8.0]])
     summary = study.summarise_arm(new, np.ones((3, 2)) * 2, study.prompt_resamples(2, 200, seed=0))
     assert summary["seed_taus"] == pytest.approx([2.5, 3.0, 3.5]) and summary["seed_std"] == pytest.approx(0.5)
-    row = {"temperature": 0.0, "prompts": "all", "budget": "steps", "arm": "recipe", "steps": 10, **summary,
+    row = {"metric": "0", "prompts": "all", "budget": "steps", "arm": "recipe", "steps": 10, **summary,
            "vs_baseline": {"ratio": 1.1, "ratio_ci95": [1.0, 1.2], "diff": 0.3, "diff_ci95": [0.1, 0.5], "goal_met": True}}
     table = study.markdown_table([row], "ce")
-    assert "| 0 | all | steps | recipe | 10 | 3.000 [" in table and "1.100 [1.000, 1.200]" in table and "| met |" in table
+    assert "| tau T=0 | all | steps | recipe | 10 | 3.000 [" in table
+    assert "1.100 [1.000, 1.200]" in table and "| met |" in table
 
 
 def test_arm_specs_and_bad_arguments(study):
@@ -121,7 +122,7 @@ def fake_training(study, monkeypatch):
     """train_run replaced by a recorder (10 s per step): the list of (arm, seed, steps) it was asked for."""
     calls = []
 
-    def fake_run(args, target, arm, seed, steps, output):
+    def fake_run(args, target, arm, seed, steps, output, deadline=float("inf")):
         calls.append((arm.name, seed, steps))
         return {"arm": arm.name, "seed": seed, "steps": steps, "seconds": 10.0 * steps, "folder": str(output)}
 
@@ -134,7 +135,7 @@ def test_same_wall_clock_runs_are_trained_only_when_evaluated(study, fake_traini
     arms = [study.parse_arm(s) for s in study.DEFAULT_ARMS]
     args = study.parse_args(["--init", "x", "--steps", "4", "--seeds", "2", "--evaluate-budgets", "steps"])
     runs = study.train_all(args, None, arms)
-    assert calls == [("ce", 0, 4), ("ce", 1, 4), ("recipe", 0, 4), ("recipe", 1, 4)]
+    assert calls == [("ce", 0, 4), ("recipe", 0, 4), ("ce", 1, 4), ("recipe", 1, 4)]  # whole seeds first
     assert {r["budget"] for r in runs} == {"steps"}
     calls.clear()
     args = study.parse_args(["--init", "x", "--steps", "4", "--seeds", "2", "--wall-seconds", "80"])
@@ -148,9 +149,9 @@ def test_a_wall_clock_run_of_as_many_steps_as_its_same_steps_run_is_not_trained_
     arms = [study.parse_arm(s) for s in study.DEFAULT_ARMS]
     args = study.parse_args(["--init", "x", "--steps", "4", "--seeds", "2", "--wall-seconds", "40"])
     runs = study.train_all(args, None, arms)
-    assert calls == [("ce", 0, 4), ("ce", 1, 4), ("recipe", 0, 4), ("recipe", 1, 4)]  # 40 s is 4 steps for both
+    assert calls == [("ce", 0, 4), ("recipe", 0, 4), ("ce", 1, 4), ("recipe", 1, 4)]  # 40 s is 4 steps for both
     wall = [r for r in runs if r["budget"] == "wall"]
-    assert [r["folder"] for r in wall] == [r["folder"] for r in runs if r["budget"] == "steps"]
+    assert sorted(r["folder"] for r in wall) == sorted(r["folder"] for r in runs if r["budget"] == "steps")
 
 
 def test_measurements_are_cached_by_weights_and_settings(study, tmp_path, monkeypatch):
@@ -166,7 +167,7 @@ def test_measurements_are_cached_by_weights_and_settings(study, tmp_path, monkey
 
     drafters = {"a": Tiny(1.0), "b": Tiny(1.0), "c": Tiny(2.0)}
 
-    def fake_measure(target, drafter, ps, shape, temperature, seed=0, batch_size=8, sampled_limit=0):
+    def fake_measure(target, drafter, ps, shape, temperature, seed=0, batch_size=8, sampled_limit=0, accept_depth=0):
         calls.append((drafter.w[0].item(), temperature))
         n = len(ps.prompts) if temperature == 0 else len(ps.prompts[: sampled_limit or None])
         return [3] * n, [2] * n
@@ -177,7 +178,7 @@ def test_measurements_are_cached_by_weights_and_settings(study, tmp_path, monkey
     args = study.parse_args(["--init", "a", "--out", str(tmp_path), "--temperatures", "0,1", "--sampled-limit", "2"])
     counts = study.evaluate_all(args, None, [], sets)
     assert calls == [(1.0, 0.0), (1.0, 1.0)]
-    assert counts["a"]["0.0"]["p"] == [[3] * 5, [2] * 5] and counts["a"]["1.0"]["p"] == [[3] * 2, [2] * 2]
+    assert counts["a"]["0"]["p"] == [[3] * 5, [2] * 5] and counts["a"]["1"]["p"] == [[3] * 2, [2] * 2]
     calls.clear()
     study.evaluate_all(args, None, [{"folder": "b"}], sets)  # b has a's weights: nothing new to measure
     assert calls == []
@@ -187,3 +188,87 @@ def test_measurements_are_cached_by_weights_and_settings(study, tmp_path, monkey
     args = study.parse_args(["--init", "a", "--out", str(tmp_path), "--temperatures", "1", "--sampled-limit", "3"])
     study.evaluate_all(args, None, [], sets)
     assert calls == [(1.0, 1.0)]  # three sampled prompts are another measurement than two
+
+
+def test_hierarchical_intervals_count_the_spread_of_seeds(study):
+    """Seeds drawn with replacement, then prompts: an arm whose seeds disagree gets a wider interval than the
+    prompt-only bootstrap gives it, and one whose seeds agree gets the same."""
+    rng = np.random.default_rng(1)
+    prompts = rng.uniform(2, 4, size=50)
+    spread = (np.stack([prompts * f for f in (0.9, 1.0, 1.1)]), np.ones((3, 50)))
+    alike = (np.stack([prompts] * 3), np.ones((3, 50)))
+    resamples = study.prompt_resamples(50, 2000, seed=0)
+    draws = study.seed_resamples(3, 2000, seed=1)
+    assert draws.shape == (2000, 3) and set(np.unique(draws)) == {0, 1, 2}
+
+    def width(ci):
+        return ci[1] - ci[0]
+
+    assert width(study.summarise_arm(*spread, resamples, draws)["ci95"]) > 2 * width(
+        study.summarise_arm(*spread, resamples)["ci95"])
+    assert study.summarise_arm(*alike, resamples, draws)["ci95"] == pytest.approx(
+        study.summarise_arm(*alike, resamples)["ci95"])
+    # by hand: resample n draws seeds draws[n] and prompts resamples[n]
+    taus = spread[0][:, resamples].sum(-1) / 50  # [3, N]
+    by_hand = np.array([taus[draws[n], n].mean() for n in range(2000)])
+    np.testing.assert_allclose(study.bootstrap_taus(*spread, resamples, draws), by_hand)
+
+
+def test_a_session_budget_leaves_runs_to_resume(study, monkeypatch, capsys):
+    """--session-minutes: runs the budget does not reach are reported, and the study stops with exit 3."""
+    def fake_run(args, target, arm, seed, steps, output, deadline=float("inf")):
+        if seed > 0:
+            raise study.Unfinished
+        return {"arm": arm.name, "seed": seed, "steps": steps, "seconds": 1.0, "folder": str(output)}
+
+    monkeypatch.setattr(study, "train_run", fake_run)
+    arms = [study.parse_arm(s) for s in study.DEFAULT_ARMS]
+    args = study.parse_args(["--init", "x", "--steps", "4", "--seeds", "2", "--evaluate-budgets", "steps",
+                             "--session-minutes", "5"])
+    with pytest.raises(study.Unfinished):
+        study.train_all(args, None, arms)
+    assert "2 run(s) unfinished (ce-steps-s1, recipe-steps-s1)" in capsys.readouterr().err
+    bad = study.parse_args(["--init", "x", "--session-minutes", "5"])
+    with pytest.raises(UserError, match="--session-minutes trains in chunks"):
+        study.check_args(bad, arms)
+
+
+def test_a_run_trained_in_chunks_resumes_to_the_uninterrupted_weights(study, tmp_path, capsys):
+    """train_run with the real trainer on a tiny target: a deadline stops a run after its first step (Unfinished),
+    the next call resumes it from its checkpoint to the weights of one uninterrupted run, the record says how far
+    the weights moved, and a manipulation check the run cannot pass stops the study with the fix."""
+    from safetensors.torch import load_file
+    from test_train import TINY, write_sharegpt
+
+    from conftest import save_tiny_target
+    from mmvsd.cli import main
+    from mmvsd.target_loader import load_target
+    from mmvsd.training.trainer import train
+
+    target_dir, data = save_tiny_target(tmp_path / "target"), write_sharegpt(tmp_path / "data.json")
+    init = tmp_path / "init"
+    assert main(["train", "--target", str(target_dir), "--data", str(data), "--output", str(init), *TINY,
+                 "max_steps=1"]) == 0
+    common = ["--init", str(init), "--target", str(target_dir), "--config", "", "--lr", "0.01", "--out",
+              str(tmp_path / "study"), "--set", f"data={data}", *[f"--set={s}" for s in TINY]]
+    args = study.parse_args(common + ["--min-move", "0.001", "--check-steps", "2"])
+    arm = study.parse_arm("ce=ce")
+    target = load_target(str(target_dir))
+    with pytest.raises(study.Unfinished):  # the session's budget is already spent
+        study.train_run(args, target, arm, 0, 3, tmp_path / "chunked", deadline=0.0)
+    assert not (tmp_path / "chunked").exists()  # a spent budget starts nothing
+    record = study.train_run(args, target, arm, 0, 3, tmp_path / "whole")
+    assert record["steps"] == 3 and record["moved"] > 0.001 and record["check_step"] == 3
+    progress = tmp_path / "chunked" / "study_progress.json"
+    config = study.run_config(args, arm, 0, 3, tmp_path / "chunked")
+    config.max_minutes = 1e-9  # the trainer stops after its first step
+    train(config, target=target)
+    assert not progress.exists()
+    first = study.train_run(args, target, arm, 0, 3, tmp_path / "chunked")  # resumes from step 1
+    assert first["steps"] == 3
+    whole, chunked = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("whole", "chunked"))
+    for key, value in whole.items():
+        torch.testing.assert_close(chunked[key], value)
+    strict = study.parse_args(common + ["--min-move", "10", "--out", str(tmp_path / "strict")])
+    with pytest.raises(UserError, match="manipulation check: .* raise --lr"):
+        study.train_run(strict, target, arm, 0, 2, tmp_path / "strict" / "runs" / "ce-steps-s0")

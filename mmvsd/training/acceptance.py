@@ -40,6 +40,7 @@ from mmvsd.prompts import load_eval_prompts
 from mmvsd.shipped import target_checksum
 from mmvsd.target import Target
 from mmvsd.training.features import TokenBatch, capture_features
+from mmvsd.training.objectives import step_acceptance
 
 TIE_EPSILON = 1e-4  # a target choice whose top-2 logits are closer than this may flip between kernels
 
@@ -128,20 +129,24 @@ class AcceptanceReport:
 
 
 def greedy_continuations(
-    target: Target, prompts: list[PromptLike], max_new_tokens: int, batch_size: int = 8
+    target: Target, prompts: list[PromptLike], max_new_tokens: int, batch_size: int = 8, temperature: float = 0.0,
+    seed: int = 0,
 ) -> list[list[int]]:
-    """The target's own greedy output per prompt (vanilla decoding: same EOS and length handling)."""
-    config = DecodeConfig(max_new_tokens=max_new_tokens, temperature=0.0)
+    """The target's own output per prompt (vanilla decoding: same EOS and length handling): greedy, or sampled at
+    `temperature` > 0 (reproducible for the same seed and batch size)."""
+    config = DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     out: list[list[int]] = []
     for start in range(0, len(prompts), batch_size):
         out += [r.output_ids for r in vanilla_generate(target, prompts[start : start + batch_size], config)]
     return out
 
 
-def continuation_key(target: Target, prompts: list[PromptLike], max_new_tokens: int) -> str:
-    """sha256 of (target weights, EOS ids, prompts with their media embeddings, max_new_tokens)."""
+def continuation_key(target: Target, prompts: list[PromptLike], max_new_tokens: int, sampling: tuple = ()) -> str:
+    """sha256 of (target weights, EOS ids, prompts with their media embeddings, max_new_tokens[, sampling])."""
     digest = hashlib.sha256()
     header = {"target": target_checksum(target), "eos": sorted(target.eos_token_ids), "max_new": max_new_tokens}
+    if sampling:
+        header["sampling"] = list(sampling)
     digest.update(json.dumps(header, sort_keys=True).encode())
     for prompt in as_prompts(prompts):
         digest.update(json.dumps(prompt.token_ids).encode() + b"\n")
@@ -152,10 +157,12 @@ def continuation_key(target: Target, prompts: list[PromptLike], max_new_tokens: 
 
 def cached_greedy_continuations(
     target: Target, prompts: list[PromptLike], max_new_tokens: int, batch_size: int = 8,
-    cache_dir: str | Path | None = None,
+    cache_dir: str | Path | None = None, temperature: float = 0.0, seed: int = 0,
 ) -> list[list[int]]:
-    """`greedy_continuations`, read from (or written to) a cache under the mmvsd cache."""
-    key = continuation_key(target, prompts, max_new_tokens)
+    """`greedy_continuations` (or sampled ones, keyed by temperature, seed and batch size), read from (or written
+    to) a cache under the mmvsd cache."""
+    sampling = (float(temperature), seed, batch_size) if temperature > 0 else ()
+    key = continuation_key(target, prompts, max_new_tokens, sampling)
     path = Path(cache_dir) if cache_dir is not None else cache_root() / "continuations"
     path = path / f"{key[:40]}.json"
     try:
@@ -164,11 +171,52 @@ def cached_greedy_continuations(
             return saved["continuations"]
     except (OSError, ValueError, KeyError, TypeError):
         pass  # absent or unreadable: generate again
-    continuations = greedy_continuations(target, prompts, max_new_tokens, batch_size)
+    continuations = greedy_continuations(target, prompts, max_new_tokens, batch_size, temperature, seed)
     with atomic_file(path) as handle:
         json.dump({"key": key, "target": target.name, "max_new_tokens": max_new_tokens,
-                   "continuations": continuations}, handle)
+                   "temperature": temperature, "continuations": continuations}, handle)
     return continuations
+
+
+@torch.no_grad()
+def expected_acceptance(
+    target: Target, drafter: Drafter, prompts: list[PromptLike], continuations: list[list[int]], depth: int,
+    batch_size: int = 8,
+) -> list[tuple[float, int]]:
+    """Per prompt (sum over anchors of E, number of anchors): E(t) = sum_{k=1..depth} prod_{i<k} a_i(t) is the
+    expected number of accepted tokens of a depth-`depth` chain sampled from the drafter at anchor t of the
+    continuation, with a_i(t) = sum_v min(p, q_i) the exact probability that its token i passes speculative
+    sampling (teacher-forced along the continuation, as training unrolls; 0 past the continuation's end). An
+    anchor is every position whose next-but-one token is a continuation token after the first (which the target
+    chooses at prefill, as decoding does). No sampling: the same drafter, prompts and continuations give the same
+    number."""
+    prompts = as_prompts(prompts)
+    if len(prompts) != len(continuations):
+        raise UserError(f"need one continuation per prompt, got {len(continuations)} for {len(prompts)} prompts")
+    results: list[tuple[float, int]] = []
+    for first in range(0, len(prompts), batch_size):
+        chunk, conts = prompts[first : first + batch_size], continuations[first : first + batch_size]
+        prompt_lens = torch.tensor([len(p.token_ids) for p in chunk], dtype=torch.long)
+        lengths = prompt_lens + torch.tensor([len(c) for c in conts], dtype=torch.long)
+        seq_ids = torch.zeros(len(chunk), int(lengths.max()), dtype=torch.long)
+        for row, (prompt, cont) in enumerate(zip(chunk, conts)):
+            seq_ids[row, : int(lengths[row])] = torch.tensor(prompt.token_ids + list(cont))
+        positions = torch.arange(seq_ids.shape[1])
+        loss_mask = (positions > prompt_lens[:, None]) & (positions < lengths[:, None])  # the first: the prefill's
+        seq_ids = seq_ids.to(target.device)
+        embeds = padded_embeds(target, chunk, seq_ids)
+        spans = span_ids(chunk, seq_ids.shape[1], target.device) if embeds is not None else None
+        batch = capture_features(target, TokenBatch(seq_ids, loss_mask, lengths, embeds, spans))
+        steps = step_acceptance(drafter, target, batch, depth)
+        survive = torch.ones_like(steps[0][0])
+        expected = torch.zeros_like(survive)
+        for rates, mask in steps:
+            survive = survive * torch.where(mask, rates, torch.zeros_like(rates))
+            expected = expected + survive
+        anchors = steps[0][1]
+        for row in range(len(chunk)):
+            results.append((float(expected[row][anchors[row]].sum()), int(anchors[row].sum())))
+    return results
 
 
 # ----------------------------------------------------------------------------- evaluation

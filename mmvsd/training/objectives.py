@@ -251,20 +251,32 @@ def acceptance(target_probs: Tensor, draft_logprobs: Tensor) -> Tensor:
     return torch.minimum(target_probs, draft_logprobs.exp()).sum(-1)
 
 
+def step_acceptance(drafter: Drafter, target: Target, batch: FeatureBatch,
+                    num_steps: int) -> list[tuple[Tensor, Tensor]]:
+    """Per unrolled step i: (acceptance [B, T] of the drafter's distribution at anchor t for token t+2+i against
+    the target's at position t+1+i, whether token t+2+i is a loss token [B, T]); the unroll of `ce`."""
+    features, next_ids, media = draft_step0_inputs(drafter, batch)
+    hiddens = unroll_draft_steps(drafter, features, next_ids, num_steps, media)
+    full = torch.log_softmax(target.float_logits(batch.target_hidden), dim=-1)  # [B, T, V]
+    target_probs = full[..., drafter.draft_vocab_target_ids()].exp()  # [B, T, Vd], not renormalised
+    steps = []
+    for step, hidden in enumerate(hiddens):
+        mask = shifted(batch.tokens.loss_mask, step + 2, False)
+        rates = torch.zeros(mask.shape, dtype=target_probs.dtype, device=target_probs.device)
+        rates[mask] = acceptance(shifted(target_probs, step + 1)[mask], drafter.draft_logprobs(hidden[mask])).to(
+            rates.dtype)
+        steps.append((rates, mask))
+    return steps
+
+
 def accept_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: ObjectiveConfig,
                 mean: Mean = batch_mean) -> tuple[Tensor, Metrics]:
     """- sum_i ttt_decay^i * mean acceptance at unrolled step i (the positions and unroll of `ce`, every loss
     position: a target top-1 outside the draft vocabulary is a token the drafter cannot propose, and counts)."""
-    features, next_ids, media = draft_step0_inputs(drafter, batch)
-    hiddens = unroll_draft_steps(drafter, features, next_ids, config.ttt_steps, media)
-    full = torch.log_softmax(target.logits(batch.target_hidden).float(), dim=-1)  # [B, T, V]
-    target_probs = full[..., drafter.draft_vocab_target_ids()].exp()  # [B, T, Vd], not renormalised
-    total = torch.zeros((), device=target_probs.device)
+    total = torch.zeros((), device=batch.target_hidden.device)
     metrics: Metrics = {}
-    for step, hidden in enumerate(hiddens):
-        mask = shifted(batch.tokens.loss_mask, step + 2, False)
-        rates = acceptance(shifted(target_probs, step + 1)[mask], drafter.draft_logprobs(hidden[mask]))  # [N]
-        step_rate = mean(rates.sum(), mask.sum())
+    for step, (rates, mask) in enumerate(step_acceptance(drafter, target, batch, config.ttt_steps)):
+        step_rate = mean(rates[mask].sum(), mask.sum())
         total = total - config.ttt_decay**step * step_rate
         metrics[f"accept_{step}"] = float(step_rate.detach())
     metrics["accept"] = float(-total.detach())
