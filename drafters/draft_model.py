@@ -15,8 +15,9 @@ import torch
 from torch import Tensor
 
 from mmvsd.decoding.draft_session import DraftInputs, concat_pairs, select_pairs
-from mmvsd.decoding.engine import pack_for_cpu
+from mmvsd.decoding.engine import pack_for_cpu, packed_linear
 from mmvsd.decoding.kv import sequence_block
+from mmvsd.decoding.weight_quant import int4_available, quantize_module
 from mmvsd.errors import UserError
 from mmvsd.target import Target
 from mmvsd.target_loader import load_target_folder, resolve_target_folder
@@ -136,15 +137,35 @@ class DraftModelSession:
         self.deferred = [select_pairs(i, rows) for i in self.deferred]
 
 
-def load_draft_model(spec: str, target: Target) -> DraftModel:
-    """The draft model `--drafter model:SPEC` names (a built-in target name, a folder or a .gguf file), in the
-    target's dtype on its device (never on the exact engine: its numbers never reach the output; bf16 on a CPU
-    runs on oneDNN's packed kernels), checked to share the target's tokenizer."""
-    name = spec[len(PREFIX):]
+QUANT_OPTION = ",quant="
+QUANTS = ("none", "int4")
+
+
+def parse_draft_spec(spec: str) -> tuple[str, str]:
+    """`model:NAME[,quant=int4]` -> (NAME, quant)."""
+    name, sep, quant = spec[len(PREFIX):].partition(QUANT_OPTION)
+    quant = quant if sep else "none"
     if not name:
         raise UserError(f"--drafter {spec}: name a draft model (a built-in target, a folder or a .gguf file)")
+    if quant not in QUANTS:
+        raise UserError(f"--drafter {spec}: quant={quant!r} is not one of {', '.join(QUANTS)}")
+    return name, quant
+
+
+def load_draft_model(spec: str, target: Target) -> DraftModel:
+    """The draft model `--drafter model:NAME[,quant=int4]` names (a built-in target name, a folder or a .gguf
+    file), in the target's dtype on its device (never on the exact engine: its numbers never reach the output;
+    bf16 on a CPU runs on oneDNN's packed kernels, and with `quant=int4` its small forwards on int4 weights,
+    `mmvsd.decoding.weight_quant`), checked to share the target's tokenizer."""
+    name, quant = parse_draft_spec(spec)
+    if quant == "int4" and (target.device.type != "cpu" or target.dtype != torch.bfloat16 or not int4_available()):
+        raise UserError(f"--drafter {spec}: int4 draft weights run on a CPU with a bf16 target (--dtype bf16), and "
+                        f"torch's int4 CPU kernel; here the target is {target.dtype} on {target.device}")
     folder = resolve_target_folder(name)
     draft = load_target_folder(folder, name, dtype=target.dtype, device=str(target.device))
     check_same_tokenizer(draft, target, name)
-    pack_for_cpu(draft.model)  # bf16 on a CPU: oneDNN's prepacked kernels (a quarter faster for Qwen2.5-0.5B)
-    return DraftModel(draft, name)
+    if quant == "int4":
+        quantize_module(draft.model, dense_of=packed_linear)
+    else:
+        pack_for_cpu(draft.model)  # bf16 on a CPU: oneDNN's prepacked kernels (a quarter faster for Qwen2.5-0.5B)
+    return DraftModel(draft, name if quant == "none" else f"{name},quant={quant}")

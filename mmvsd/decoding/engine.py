@@ -194,9 +194,13 @@ def pack_for_cpu(module: nn.Module) -> bool:
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16:
-                setattr(parent, name, RowChunkedLinear(child, rows=1 << 30, pack=True, keep_weight=True,
-                                                       pad_single=False))
+                setattr(parent, name, packed_linear(child))
     return True
+
+
+def packed_linear(linear: nn.Linear) -> RowChunkedLinear:
+    """A bf16 linear layer on oneDNN's prepacked kernel, its weight kept (see `pack_for_cpu`)."""
+    return RowChunkedLinear(linear, rows=1 << 30, pack=True, keep_weight=True, pad_single=False)
 
 
 def _chain_logits(target: Target, cache, ids: Tensor, one_at_a_time: bool) -> Tensor:
