@@ -137,25 +137,25 @@ class DraftModelSession:
         self.deferred = [select_pairs(i, rows) for i in self.deferred]
 
 
-QUANT_OPTION = ",quant="
-QUANTS = ("none", "int4")
+QUANT_OPTION = "@"  # model:NAME@int4 (no comma: bench lists drafters with commas)
+QUANTS = ("none", "int4")  # "none": the name alone
 
 
 def parse_draft_spec(spec: str) -> tuple[str, str]:
-    """`model:NAME[,quant=int4]` -> (NAME, quant)."""
+    """`model:NAME[@int4]` -> (NAME, quant)."""
     name, sep, quant = spec[len(PREFIX):].partition(QUANT_OPTION)
     quant = quant if sep else "none"
     if not name:
         raise UserError(f"--drafter {spec}: name a draft model (a built-in target, a folder or a .gguf file)")
     if quant not in QUANTS:
-        raise UserError(f"--drafter {spec}: quant={quant!r} is not one of {', '.join(QUANTS)}")
+        raise UserError(f"--drafter {spec}: {quant!r} is no weight format; model:NAME@int4 quantises the draft model")
     return name, quant
 
 
 def load_draft_model(spec: str, target: Target) -> DraftModel:
-    """The draft model `--drafter model:NAME[,quant=int4]` names (a built-in target name, a folder or a .gguf
+    """The draft model `--drafter model:NAME[@int4]` names (a built-in target name, a folder or a .gguf
     file), in the target's dtype on its device (never on the exact engine: its numbers never reach the output;
-    bf16 on a CPU runs on oneDNN's packed kernels, and with `quant=int4` its small forwards on int4 weights,
+    bf16 on a CPU runs on oneDNN's packed kernels, and with `@int4` its small forwards on int4 weights,
     `mmvsd.decoding.weight_quant`), checked to share the target's tokenizer."""
     name, quant = parse_draft_spec(spec)
     if quant == "int4" and (target.device.type != "cpu" or target.dtype != torch.bfloat16 or not int4_available()):
@@ -168,4 +168,4 @@ def load_draft_model(spec: str, target: Target) -> DraftModel:
         quantize_module(draft.model, dense_of=packed_linear)
     else:
         pack_for_cpu(draft.model)  # bf16 on a CPU: oneDNN's prepacked kernels (a quarter faster for Qwen2.5-0.5B)
-    return DraftModel(draft, name if quant == "none" else f"{name},quant={quant}")
+    return DraftModel(draft, name if quant == "none" else f"{name}{QUANT_OPTION}{quant}")

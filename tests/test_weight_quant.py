@@ -1,4 +1,4 @@
-"""Weight-only int4 draft models (`model:NAME,quant=int4`): the quantisation against its formula, the kernel
+"""Weight-only int4 draft models (`model:NAME@int4`): the quantisation against its formula, the kernel
 against the dequantised weight, the per-call choice of kernel, the measured row threshold, lossless decoding
 with an int4 draft, and the errors a user can cause."""
 
@@ -87,21 +87,21 @@ def test_an_int4_draft_model_is_lossless_at_t0(folders):
     prompts = random_prompts(3, seed=21)
     config = DecodeConfig(max_new_tokens=24, tree=TreeShape(budget=12, depth=4, topk=3))
     expected = [r.output_ids for r in vanilla_generate(target, prompts, config)]
-    drafter = drafter_from_spec(f"model:{folders['other']},quant=int4", target, ngram=False)
+    drafter = drafter_from_spec(f"model:{folders['other']}@int4", target, ngram=False)
     layers = [m for m in drafter.model.model.modules() if isinstance(m, Int4Linear)]
-    assert layers and drafter.drafter_type == f"model:{folders['other']},quant=int4"
+    assert layers and drafter.drafter_type == f"model:{folders['other']}@int4"
     for layer in layers:
         layer.int4_rows = 64  # every draft forward on int4 weights, whatever this CPU measured
     assert [r.output_ids for r in speculative_generate(target, drafter, prompts, config)] == expected
 
 
 def test_bad_quant_options_are_one_clear_error(folders):
-    assert parse_draft_spec("model:a/b") == ("a/b", "none") and parse_draft_spec("model:x,quant=int4") == ("x", "int4")
-    with pytest.raises(UserError, match="quant='int3' is not one of none, int4"):
-        parse_draft_spec("model:x,quant=int3")
+    assert parse_draft_spec("model:a/b") == ("a/b", "none") and parse_draft_spec("model:x@int4") == ("x", "int4")
+    with pytest.raises(UserError, match="'int3' is no weight format"):
+        parse_draft_spec("model:x@int3")
     fp32 = load_target(str(folders["target"]))
     with pytest.raises(UserError, match="int4 draft weights run on a CPU with a bf16 target"):
-        drafter_from_spec(f"model:{folders['other']},quant=int4", fp32, ngram=False)
+        drafter_from_spec(f"model:{folders['other']}@int4", fp32, ngram=False)
 
 
 def test_packed_linear_keeps_the_weight():
