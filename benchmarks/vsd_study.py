@@ -185,6 +185,9 @@ def train_run(args: argparse.Namespace, target, arm: Arm, seed: int, steps: int,
     if remaining != float("inf"):
         config.max_minutes = remaining / 60
     progress = json.loads(progress_path.read_text()) if progress_path.is_file() else {"seconds": 0.0, "chunks": 0}
+    checked = "moved_at_check" in progress
+    if not checked and args.min_move > 0:
+        config.stop_at_step = min(args.check_steps, steps)  # this chunk ends at the check
     resume = latest_checkpoint(output) is not None
     start = time.perf_counter()
     train(config, target=target, resume=resume)
@@ -192,7 +195,7 @@ def train_run(args: argparse.Namespace, target, arm: Arm, seed: int, steps: int,
     progress["chunks"] += 1
     done = json.loads((latest_checkpoint(output) / STATE_FILE).read_text())["step"]
     progress["moved"] = weights_moved(args.init, output, target)
-    first_check = "moved_at_check" not in progress and done >= min(args.check_steps, steps)
+    first_check = not checked and done >= min(args.check_steps, steps)
     if first_check:
         progress["moved_at_check"], progress["check_step"] = progress["moved"], done
     with atomic_file(progress_path) as handle:
@@ -202,6 +205,8 @@ def train_run(args: argparse.Namespace, target, arm: Arm, seed: int, steps: int,
                         f"(||w - w0|| / ||w0||) in its first {done} steps, under --min-move {args.min_move:.0%}: "
                         f"raise --lr (now {args.lr:g}) and start again (delete {Path(args.out) / 'runs'})")
     if done < steps:
+        if first_check:  # the check passed: the run goes on in this session's budget
+            return train_run(args, target, arm, seed, steps, output, deadline)
         raise Unfinished
     record = {"arm": arm.name, "objective": arm.objective, "overrides": arm.overrides, "seed": seed, "steps": steps,
               "seconds": progress["seconds"], "folder": str(output), "moved": progress["moved"],

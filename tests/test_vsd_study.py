@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -234,9 +235,9 @@ def test_a_session_budget_leaves_runs_to_resume(study, monkeypatch, capsys):
 
 
 def test_a_run_trained_in_chunks_resumes_to_the_uninterrupted_weights(study, tmp_path, capsys):
-    """train_run with the real trainer on a tiny target: a deadline stops a run after its first step (Unfinished),
-    the next call resumes it from its checkpoint to the weights of one uninterrupted run, the record says how far
-    the weights moved, and a manipulation check the run cannot pass stops the study with the fix."""
+    """train_run with the real trainer on a tiny target: a spent budget starts nothing (Unfinished); a run stops at
+    the manipulation check's step and goes on; a run stopped after its first step resumes from its checkpoint to
+    the weights of the run trained without a stop; a check the run cannot pass stops the study with the fix."""
     from safetensors.torch import load_file
     from test_train import TINY, write_sharegpt
 
@@ -257,18 +258,24 @@ def test_a_run_trained_in_chunks_resumes_to_the_uninterrupted_weights(study, tmp
     with pytest.raises(study.Unfinished):  # the session's budget is already spent
         study.train_run(args, target, arm, 0, 3, tmp_path / "chunked", deadline=0.0)
     assert not (tmp_path / "chunked").exists()  # a spent budget starts nothing
-    record = study.train_run(args, target, arm, 0, 3, tmp_path / "whole")
-    assert record["steps"] == 3 and record["moved"] > 0.001 and record["check_step"] == 3
+    record = study.train_run(args, target, arm, 0, 3, tmp_path / "checked")
+    assert record["steps"] == 3 and record["moved"] > 0.001 and record["check_step"] == 2  # stopped there, went on
+    assert json.loads((tmp_path / "checked" / "study_progress.json").read_text())["chunks"] == 2
+    plain = study.parse_args(common)  # no check: one chunk
+    study.train_run(plain, target, arm, 0, 3, tmp_path / "whole")
+    assert json.loads((tmp_path / "whole" / "study_progress.json").read_text())["chunks"] == 1
     progress = tmp_path / "chunked" / "study_progress.json"
     config = study.run_config(args, arm, 0, 3, tmp_path / "chunked")
     config.max_minutes = 1e-9  # the trainer stops after its first step
     train(config, target=target)
     assert not progress.exists()
-    first = study.train_run(args, target, arm, 0, 3, tmp_path / "chunked")  # resumes from step 1
+    first = study.train_run(plain, target, arm, 0, 3, tmp_path / "chunked")  # resumes from step 1
     assert first["steps"] == 3
-    whole, chunked = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("whole", "chunked"))
+    whole, chunked, checked = (load_file(str(tmp_path / name / "model.safetensors"))
+                               for name in ("whole", "chunked", "checked"))
     for key, value in whole.items():
         torch.testing.assert_close(chunked[key], value)
+        torch.testing.assert_close(checked[key], value)
     strict = study.parse_args(common + ["--min-move", "10", "--out", str(tmp_path / "strict")])
     with pytest.raises(UserError, match="manipulation check: .* raise --lr"):
         study.train_run(strict, target, arm, 0, 2, tmp_path / "strict" / "runs" / "ce-steps-s0")

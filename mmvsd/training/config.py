@@ -58,6 +58,8 @@ class TrainConfig:
     max_steps: int = 0  # optimizer steps; > 0 overrides epochs
     max_minutes: float = 0.0  # > 0: also stop (checkpoint and publish) after this much wall-clock time (per
     # process: a resumed run may be given another budget)
+    stop_at_step: int = 0  # > 0: stop (checkpoint and publish) at this optimizer step, as max_minutes does; the
+    # schedule still follows max_steps, and a resumed run goes on
     learning_rate: float = 1e-4
     warmup_ratio: float = 0.02
     warmup_steps: int = 0  # > 0: a linear warm-up over this many optimizer steps instead (continuing with --init)
@@ -99,8 +101,9 @@ class TrainConfig:
             raise UserError("no output folder: pass --output DIR")
         if self.features == "offline" and not self.feature_cache:
             raise UserError("features=offline needs feature_cache=DIR (written by `mmvsd prepare`)")
-        if self.warmup_steps < 0:
-            raise UserError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.warmup_steps < 0 or self.stop_at_step < 0:
+            raise UserError(f"warmup_steps and stop_at_step must be >= 0, got {self.warmup_steps} and "
+                            f"{self.stop_at_step}")
         positive = ("batch_size", "grad_accum", "max_length", "save_every", "log_every", "draft_vocab_size",
                     "eval_max_new_tokens", "regenerate_batch_size")
         for key in positive:

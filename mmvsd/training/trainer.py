@@ -60,7 +60,7 @@ STATE_FILE = "trainer_state.json"
 # settings that may change between an interrupted run and its resumption
 RESUMABLE_CHANGES = {"progress", "log_every", "save_every", "keep_checkpoints", "max_bad_steps", "eval_every",
                      "eval_prompts", "eval_limit", "eval_max_new_tokens", "eval_tree",
-                     "max_minutes",  # this process's time budget: the schedule follows steps, never minutes
+                     "max_minutes", "stop_at_step",  # this process's budget: the schedule follows max_steps
                      "output"}  # the run's folder, which may have moved or be named by another path
 BATCH_KEYS = {"batch_size", "global_batch_size"}  # compared as the global batch they give (`check_resume_split`)
 VAL_LOG = "val_tau.jsonl"  # one line per validation-tau evaluation (also in TensorBoard as val/*)
@@ -367,7 +367,7 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
         metrics = _optimizer_step(run, state)
         state.step += 1
         bar.update(1)
-        if time.monotonic() > deadline:  # a wall-clock budget (equal-time comparisons): stop as if at the end
+        if time.monotonic() > deadline or state.step == config.stop_at_step:  # a budget: stop as if at the end
             steps = state.step
         if monitor is not None and (state.step % config.eval_every == 0 or state.step == steps):
             _log_tau(monitor, run.drafter, accelerator, out_dir, state)
