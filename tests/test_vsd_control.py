@@ -1,0 +1,266 @@
+"""benchmarks/vsd_control.py: the language, the metrics against direct computations, the bootstrap, and the
+whole pipeline (target, mmvsd's trainer for three arms, evaluation, resumption) at toy sizes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_tiny_llama
+from mmvsd.decoding.draft_session import DraftInputs
+from mmvsd.drafters.eagle3 import Eagle3Drafter
+from mmvsd.target import Target
+from mmvsd.training.features import TokenBatch, capture_features
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "vsd_control.py"
+
+
+@pytest.fixture(scope="module")
+def control():
+    spec = importlib.util.spec_from_file_location("vsd_control", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["vsd_control"] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+TOY = ["num_tokens=8", "target_hidden=32", "target_intermediate=64", "target_layers=2", "target_heads=2",
+       "target_steps=40", "target_batch=8", "target_lr=0.01", "prompt_min=4", "prompt_max=6", "answer_tokens=12",
+       "num_train_conversations=6", "arm_steps=2", "arm_batch=2", "arm_lr=0.01", "depth=3", "num_samples=4",
+       "num_anchors=2", "drafter_intermediate=8", "drafter_head_dim=8", "tree='8/3/2'", "num_eval_prompts=4",
+       "bootstrap=200"]
+
+
+def test_language_is_a_normalised_branching_chain(control):
+    config = control.ControlConfig()
+    language = control.make_language(config)
+    assert language.next_probs.shape == (64, 64, 64)
+    torch.testing.assert_close(language.next_probs.sum(-1), torch.ones(64, 64))
+    support = (language.next_probs > 0).sum(-1)
+    assert set(support[language.kinds == 0].tolist()) == {3} and set(support[language.kinds == 1].tolist()) == {2}
+    assert set(support[language.kinds == 3].tolist()) == {config.high_entropy_support}
+    shares = torch.bincount(language.kinds.flatten(), minlength=4) / 64**2
+    assert torch.allclose(shares, torch.tensor(config.kind_shares), atol=0.03)
+    words = language.sample(20, 30, torch.Generator().manual_seed(0))
+    steps = language.next_probs[words[:, :-2], words[:, 1:-1], words[:, 2:]]
+    assert (steps > 0).all()  # every sampled transition is one the chain allows
+
+
+def test_training_positions_and_true_distributions_skip_the_markers(control):
+    config = control.parse_overrides(control.ControlConfig(), ["num_tokens=8", "prompt_min=5", "prompt_max=5",
+                                                               "answer_tokens=6"])
+    language = control.make_language(config)
+    ids, mask = control.target_batch(config, language, torch.Generator().manual_seed(0), 3)
+    assert ids[0, 0] == control.USER_ID and ids[0, 6] == control.ASSISTANT_ID and ids.shape == (3, 13)
+    predicted = ids[:, 1:][mask[:, :-1]]
+    assert (predicted >= len(control.SPECIALS)).all() and mask.sum() == 3 * (3 + 6)  # words 3..5 and the answer
+    truth = control.true_next_probs(language, ids)
+    words = ids - len(control.SPECIALS)
+    # the assistant marker (position 6) predicts the first answer word from the last two prompt words
+    torch.testing.assert_close(truth[:, 6, 4:], language.next_probs[words[:, 4], words[:, 5]])
+    torch.testing.assert_close(truth[:, 8, 4:], language.next_probs[words[:, 7], words[:, 8]])
+    assert (truth[:, :, :4] == 0).all()
+
+
+class _ChainModel(torch.nn.Module):
+    """A 'target' whose logits are log(p + eps) of a given next-word table: the chain itself, or uniform."""
+
+    def __init__(self, control, language, uniform: bool = False):
+        super().__init__()
+        self.control, self.language, self.uniform = control, language, uniform
+
+    def forward(self, ids):
+        truth = self.control.true_next_probs(self.language, ids)
+        logits = torch.zeros_like(truth) if self.uniform else (truth + 1e-12).log()
+        return type("Out", (), {"logits": logits})
+
+
+def test_target_kl_is_zero_for_the_chain_and_matches_a_direct_value_for_uniform(control):
+    config = control.parse_overrides(control.ControlConfig(), ["num_tokens=8"])
+    language = control.make_language(config)
+    assert control.target_kl(_ChainModel(control, language), language, config, num=64) == pytest.approx(0, abs=1e-6)
+    ids, mask = control.target_batch(config, language, torch.Generator().manual_seed(12345), 64)
+    truth = control.true_next_probs(language, ids)[mask]
+    entropy = float(-(truth * truth.clamp_min(1e-30).log()).sum(-1).mean())
+    uniform = control.target_kl(_ChainModel(control, language, uniform=True), language, config, num=64)
+    assert uniform == pytest.approx(np.log(12) - entropy, rel=1e-5)  # KL(p || uniform over 8 + 4 ids)
+
+
+class _TargetOracle(Eagle3Drafter):
+    """A 'drafter equal to the target': it reads the target's final hidden state one position ahead at every
+    unrolled step, so its step i at anchor t predicts exactly the target's distribution of token t+2+i."""
+
+    def target_features(self, aux_hidden, last_hidden):
+        return last_hidden
+
+    def read_target(self, features, token_ids, positions, attention_mask, cache, media=None):
+        return torch.cat([features[:, 1:], features[:, -1:]], dim=1)
+
+    def read_draft(self, hidden, token_ids, positions, attention_mask, cache):
+        return torch.cat([hidden[:, 1:], hidden[:, -1:]], dim=1)
+
+    def draft_logprobs(self, hidden):
+        return torch.log_softmax(self.oracle_target.logits(hidden).float(), -1)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return Target(make_tiny_llama(seed=5), None, "tiny")
+
+
+def _random_sequences(num: int, vocab: int = 128, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
+    gen = torch.Generator().manual_seed(seed)
+    prompt_lens, cont_lens = torch.randint(3, 7, (num,), generator=gen), torch.randint(6, 11, (num,), generator=gen)
+    prompts = [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in prompt_lens]
+    conts = [torch.randint(0, vocab, (int(n),), generator=gen).tolist() for n in cont_lens]
+    return prompts, conts
+
+
+def test_a_drafter_equal_to_the_target_accepts_the_whole_chain(control, tiny):
+    oracle = _TargetOracle.from_target(tiny, draft_vocab_size=None)
+    oracle.oracle_target = tiny
+    prompts, conts = _random_sequences(3)
+    for row, cont in zip(control.chain_acceptance(tiny, oracle, prompts, conts, depth=3, batch_size=2), conts):
+        # every anchor whose next-but-one token is in the continuation; a chain accepts up to its end, at most 3
+        assert row["roots"] == len(cont) - 1
+        assert row["sum"] == pytest.approx(sum(min(3, j) for j in range(1, len(cont))), rel=1e-5)
+        assert row["step_rates"] == pytest.approx([1.0, 1.0, 1.0], rel=1e-5)
+    random_drafter = Eagle3Drafter.from_target(tiny, draft_vocab_size=None, seed=1).eval()
+    rows = control.chain_acceptance(tiny, random_drafter, prompts, conts, depth=3)
+    assert all(0 < r["sum"] < 3.0 * r["roots"] for r in rows) and all(max(r["step_rates"]) < 0.9 for r in rows)
+
+
+def test_acceptance_equals_a_decoding_session_forced_along_the_continuation(control, tiny):
+    """a_i at each anchor and the expected accepted length against the decoding-time drafter session (root
+    candidates, then `expand` fed the continuation's tokens) and the target's own forward over each prefix."""
+    drafter = Eagle3Drafter.from_target(tiny, draft_vocab_size=None, seed=2).eval()
+    prompt, cont = [5, 9, 17, 3], [40, 41, 7, 99, 12, 64, 8, 8]
+    depth, seq = 3, torch.tensor([[5, 9, 17, 3, 40, 41, 7, 99, 12, 64, 8, 8]])
+    rates, masks = control.teacher_forced_rates(tiny, drafter, [prompt], [cont], depth)
+    features = drafter.target_features(*_aux_and_last(tiny, seq))
+    expected_total = 0.0
+    with torch.no_grad():
+        for anchor in range(len(prompt) - 1, seq.shape[1] - 2):  # token anchor + 2 in the continuation, not its first
+            expected_total += _session_chain(tiny, drafter, seq, features, anchor, depth, rates, masks)
+    assert masks.sum(1)[0].tolist() == [7, 6, 5]  # anchors 3..9, each step one fewer inside the continuation
+    [row] = control.chain_acceptance(tiny, drafter, [prompt], [cont], depth)
+    assert row["roots"] == 7 and row["sum"] == pytest.approx(expected_total, abs=1e-4)
+
+
+def _session_chain(tiny, drafter, seq, features, anchor, depth, rates, masks) -> float:
+    """E at `anchor` from a decoding session forced along `seq`, checking each step's rate against `rates`."""
+    session = drafter.new_session(1)
+    session.advance(DraftInputs(features[:, : anchor + 1], seq[:, 1 : anchor + 2], torch.tensor([anchor + 1])))
+    ids, values = session.root_candidates(tiny.vocab_size)
+    survive, total = 1.0, 0.0
+    for step in range(depth):
+        if anchor + 2 + step >= seq.shape[1]:  # past the continuation: nothing to accept
+            assert not masks[0, anchor, step]
+            break
+        if step > 0:
+            block = torch.ones(1, 1, step, dtype=torch.bool)
+            fed = seq[:, anchor + 1 + step][:, None]  # the continuation's token, as the unroll feeds it
+            ids, values = session.expand(fed, torch.zeros(1, 1, dtype=torch.long), block, tiny.vocab_size)
+            ids, values = ids[:, 0], values[:, 0]
+        draft_probs = torch.zeros(tiny.vocab_size).scatter(0, ids[0], values[0].exp())
+        target_logits = tiny.model(seq[:, : anchor + 2 + step]).logits[0, -1]
+        rate = float(torch.minimum(torch.softmax(target_logits, -1), draft_probs).sum())
+        assert masks[0, anchor, step] and float(rates[0, anchor, step]) == pytest.approx(rate, abs=2e-5)
+        survive *= rate
+        total += survive
+    session.end_round()
+    return total
+
+
+def _aux_and_last(target, seq):
+    tokens = TokenBatch(seq, torch.zeros_like(seq, dtype=torch.bool), torch.tensor([seq.shape[1]]))
+    batch = capture_features(target, tokens)
+    return batch.features, batch.target_hidden
+
+
+def test_tree_decoding_is_checked_lossless_against_greedy(control, tiny):
+    from mmvsd.decoding.decode import DecodeConfig, vanilla_generate
+
+    config = control.ControlConfig(answer_tokens=6, tree="8/3/2")
+    prompts, _ = _random_sequences(3, seed=4)
+    greedy = [r.output_ids for r in vanilla_generate(tiny, prompts, DecodeConfig(6))]
+    drafter = Eagle3Drafter.from_target(tiny, draft_vocab_size=None, seed=1).eval()
+    rows = control.tree_decoding(tiny, drafter, control.EvalSet(prompts, greedy, greedy), config, 0.0)
+    assert [r["new"] for r in rows] == [6, 6, 6] and all(1 <= r["forwards"] <= 6 for r in rows)
+    wrong = [list(g) for g in greedy]
+    wrong[1][3] = (wrong[1][3] + 1) % 128
+    with pytest.raises(RuntimeError, match="prompt 1: tree decoding at T = 0 differs"):
+        control.tree_decoding(tiny, drafter, control.EvalSet(prompts, wrong, greedy), config, 0.0)
+
+
+def _evaluation(sums, roots, new, forwards):
+    rows = [{"sum": s, "roots": r, "step_rates": [0.5]} for s, r in zip(sums, roots)]
+    taus = [{"new": n, "forwards": f} for n, f in zip(new, forwards)]
+    return {"accept_t1": rows, "tau_t0": taus, "tau_t1": taus}
+
+
+def test_summary_pools_prompts_and_pairs_the_differences(control):
+    rng = np.random.default_rng(0)
+    roots = rng.integers(5, 20, size=30)
+    sums = rng.uniform(0.5, 3.0, size=30) * roots
+    new, forwards = rng.integers(40, 64, size=30), rng.integers(15, 40, size=30)
+    base = _evaluation(sums, roots, new, forwards)
+    better = _evaluation(sums + 0.5 * roots, roots, new, forwards)  # +0.5 accepted tokens at every root
+    summary = control.summarise({"ce-greedy": base, "ce-sample": base, "accept": better}, 500, seed=0)
+    accept = summary["accept"]["accept_t1"]
+    assert accept["value"] == pytest.approx((sums.sum() + 0.5 * roots.sum()) / roots.sum())
+    assert accept["vs_ce-greedy"]["diff"] == pytest.approx(0.5)
+    assert accept["vs_ce-greedy"]["diff_ci95"] == pytest.approx([0.5, 0.5])  # paired: no prompt-to-prompt noise
+    low, high = accept["ci95"]
+    assert low < accept["value"] < high and high - low > 0.05  # unpaired: the prompts' spread
+    assert summary["ce-sample"]["tau_t0"]["vs_ce-greedy"]["diff_ci95"] == [0.0, 0.0]
+    assert "vs_ce-greedy" not in summary["ce-greedy"]["tau_t0"]
+    assert summary["accept"]["tau_t0"]["value"] == pytest.approx(new.sum() / forwards.sum())
+    table = control.markdown_tables(summary, {}, control.ControlConfig())
+    assert "+0.500 [+0.500, +0.500]" in table and table.count("\n| accept |") == 2
+
+
+def test_whole_control_at_toy_size_resumes_an_interrupted_arm_and_reuses_finished_ones(control, tmp_path, monkeypatch):
+    from mmvsd.training import trainer
+
+    config = control.parse_overrides(control.ControlConfig(), TOY)
+    arms = ["ce-greedy", "ce-sample", "ce+vsd"]
+    results = tmp_path / "result.json"
+    real_step = trainer._optimizer_step
+
+    def interrupted(run, state):  # the first arm stops after its first checkpoint (step 1 of 2)
+        if state.step == 1:
+            raise KeyboardInterrupt
+        return real_step(run, state)
+
+    monkeypatch.setattr(trainer, "_optimizer_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        control.run_control(config, tmp_path / "out", arms, results, log=lambda *a: None)
+    monkeypatch.setattr(trainer, "_optimizer_step", real_step)
+    result = control.run_control(config, tmp_path / "out", arms, results, log=lambda *a: None)
+    assert [result["runs"][arm]["resumed"] for arm in arms] == [True, False, False]
+    assert result["target"]["kl_to_chain"] >= 0 and result["target"]["settings"]["num_tokens"] == 8
+    saved = json.loads(results.read_text())
+    assert results.with_suffix(".png").stat().st_size > 0
+    assert set(saved["summary"]) == {"init", *arms} and saved["config"]["depth"] == 3
+    for arm, record in saved["per_prompt"].items():
+        assert record["lossless_t0"] and len(record["tau_t0"]) == 4
+        assert [r["roots"] for r in record["accept_t1"]] == [12 - 1] * 4
+        assert 0 <= saved["summary"][arm]["accept_t1"]["value"] <= 3
+        assert saved["summary"][arm]["tau_t0"]["value"] >= 1
+    recipe = (Path(saved["runs"]["ce+vsd"]["folder"]) / "train_config.yaml").read_text()
+    assert "objective: ce+vsd" in recipe and "ce_weight: 1.0" in recipe and "vsd_weight: 0.1" in recipe
+    assert "regenerate: sample" in recipe and "path_length: 3" in recipe
+    greedy = (Path(saved["runs"]["ce-greedy"]["folder"]) / "train_config.yaml").read_text()
+    assert "regenerate: greedy" in greedy and "objective: ce" in greedy
+    assert "| ce+vsd | ce+vsd | sample |" in result["table"]
+
+    monkeypatch.setattr(trainer, "train", lambda *a, **k: pytest.fail("a finished arm was trained again"))
+    again = control.run_control(config, tmp_path / "out", arms, None, log=lambda *a: None)
+    assert again["summary"] == saved["summary"]
