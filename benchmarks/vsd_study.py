@@ -284,8 +284,9 @@ def load_prompt_sets(target, specs: list[str], limit: int, max_new_tokens: int, 
 
 def measure_counts(target, drafter, prompt_set: PromptSet, shape, temperature: float, seed: int = 0,
                    batch_size: int = 8, sampled_limit: int = 0, accept_depth: int = 0) -> tuple[list, list]:
-    """Per-prompt (new tokens, target forwards): the evaluator's exact replay at T = 0, generate at T > 0
-    (on the first `sampled_limit` prompts of the set when it is set: sampling runs the whole decode loop).
+    """Per-prompt (new tokens, target forwards): the evaluator's exact replay at T = 0, generate at T > 0, prompt i
+    with seed `seed + i` (on the first `sampled_limit` prompts of the set when it is set: sampling runs the whole
+    decode loop).
     With `accept_depth`: (summed expected accepted length, anchors) along the sampled continuations instead."""
     if accept_depth:
         from mmvsd.training.acceptance import expected_acceptance
@@ -301,12 +302,12 @@ def measure_counts(target, drafter, prompt_set: PromptSet, shape, temperature: f
 
     prompts = measured_prompts(prompt_set, temperature, sampled_limit)
     max_new = max(len(c) for c in prompt_set.continuations)
-    config = DecodeConfig(max_new_tokens=max_new, temperature=temperature, tree=shape, seed=seed)
     new, forwards = [], []
-    for start in range(0, len(prompts), batch_size):
-        for result in speculative_generate(target, drafter, prompts[start : start + batch_size], config):
-            new.append(len(result.output_ids))
-            forwards.append(result.num_target_forwards)
+    for i, prompt in enumerate(prompts):  # one prompt per call, seed + i: a batch's rows would share one stream
+        config = DecodeConfig(max_new_tokens=max_new, temperature=temperature, tree=shape, seed=seed + i)
+        [result] = speculative_generate(target, drafter, [prompt], config)
+        new.append(len(result.output_ids))
+        forwards.append(result.num_target_forwards)
     return new, forwards
 
 

@@ -159,6 +159,23 @@ def test_continuation_cache(tiny_target, tmp_path, monkeypatch):
     assert cached_greedy_continuations(tiny_target, PROMPTS[:3], 10, cache_dir=tmp_path) == first
 
 
+def test_sampled_continuations_are_independent_per_prompt_and_cached_by_seed(tiny_target, tmp_path):
+    """At T = 1 prompt i is sampled alone with seed + i: the same prompt twice gives two samples, each one is
+    what decoding that prompt alone with its seed gives, and another seed is another cache entry."""
+    from mmvsd.decoding.decode import DecodeConfig, vanilla_generate
+
+    prompts = [PROMPTS[0], PROMPTS[0], PROMPTS[1]]
+    sampled = greedy_continuations(tiny_target, prompts, 12, temperature=1.0, seed=5)
+    assert sampled[0] != sampled[1]  # a batch's shared stream would have made these copies
+    for i, prompt in enumerate(prompts):
+        alone = vanilla_generate(tiny_target, [prompt], DecodeConfig(max_new_tokens=12, temperature=1.0, seed=5 + i))
+        assert sampled[i] == alone[0].output_ids
+    assert cached_greedy_continuations(tiny_target, prompts, 12, cache_dir=tmp_path, temperature=1.0, seed=5) == sampled
+    other = cached_greedy_continuations(tiny_target, prompts, 12, cache_dir=tmp_path, temperature=1.0, seed=6)
+    greedy = cached_greedy_continuations(tiny_target, prompts, 12, cache_dir=tmp_path)
+    assert other != sampled and greedy[0] == greedy[1] and len(list(tmp_path.glob("*.json"))) == 3
+
+
 def test_bad_evaluator_input(tiny_target, fitted_drafter):
     with pytest.raises(UserError, match="no prompts"):
         evaluate.check_eval_prompts(tiny_target, [], 10, TreeShape())

@@ -133,7 +133,12 @@ def greedy_continuations(
     seed: int = 0,
 ) -> list[list[int]]:
     """The target's own output per prompt (vanilla decoding: same EOS and length handling): greedy, or sampled at
-    `temperature` > 0 (reproducible for the same seed and batch size)."""
+    `temperature` > 0, prompt i alone with seed `seed + i` (a batch's rows would share one random stream, as
+    decoding's per-request seeds do, and their samples would be correlated across prompts)."""
+    if temperature > 0:
+        return [vanilla_generate(target, [prompt], DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature,
+                                                                seed=seed + i))[0].output_ids
+                for i, prompt in enumerate(prompts)]
     config = DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     out: list[list[int]] = []
     for start in range(0, len(prompts), batch_size):
@@ -159,9 +164,9 @@ def cached_greedy_continuations(
     target: Target, prompts: list[PromptLike], max_new_tokens: int, batch_size: int = 8,
     cache_dir: str | Path | None = None, temperature: float = 0.0, seed: int = 0,
 ) -> list[list[int]]:
-    """`greedy_continuations` (or sampled ones, keyed by temperature, seed and batch size), read from (or written
-    to) a cache under the mmvsd cache."""
-    sampling = (float(temperature), seed, batch_size) if temperature > 0 else ()
+    """`greedy_continuations` (or sampled ones, keyed by temperature and seed), read from (or written to) a cache
+    under the mmvsd cache."""
+    sampling = (float(temperature), seed, "per-prompt seeds") if temperature > 0 else ()
     key = continuation_key(target, prompts, max_new_tokens, sampling)
     path = Path(cache_dir) if cache_dir is not None else cache_root() / "continuations"
     path = path / f"{key[:40]}.json"
