@@ -716,8 +716,10 @@ def plot(summary: dict[str, dict], config: ControlConfig, path: Path) -> None:
 
 
 def run_control(config: ControlConfig, out: Path, arm_names: list[str] | None = None,
-                results: Path | None = RESULTS, log=print) -> dict:
-    """Target, data, every arm's training and evaluation (each reused when done), summary; returns the result."""
+                results: Path | None = RESULTS, log=print, device: str = "cpu") -> dict:
+    """Target, data, every arm's training and evaluation (each reused when done), summary; returns the result.
+    `device`: where the target (and so the drafters, training and decoding) runs once trained (the target's own
+    training, the data and the initial drafter are made on the CPU, so they are the same on every device)."""
     from mmvsd.target_loader import load_target
 
     torch.set_num_threads(1)
@@ -732,6 +734,8 @@ def run_control(config: ControlConfig, out: Path, arm_names: list[str] | None = 
     target = load_target(str(target_folder))
     data = training_data(config, language, out)
     init = narrow_drafter_folder(config, target, out)
+    if device != "cpu":
+        target = load_target(str(target_folder), device=device)
     runs = {arm.name: train_arm(config, arm, target, target_folder, init, data, out, log) for arm in arms}
     eval_set = make_eval_set(config, language, target, out)
     evaluations = {"init": evaluate_drafter(config, target, init, eval_set, out, "init")}
@@ -767,10 +771,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="/tmp/vsd_control", help="working folder (target, data, runs, evaluations)")
     parser.add_argument("--arms", default="", help="comma list of arms to run (default: all)")
     parser.add_argument("--results", default=str(RESULTS), help="where the result JSON goes")
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N: where arms train and are "
+                        "evaluated")
     args = parser.parse_args(argv)
     config = parse_overrides(ControlConfig(), args.overrides)
     arm_names = [a for a in args.arms.split(",") if a] or None
-    result = run_control(config, Path(args.out), arm_names, Path(args.results))
+    result = run_control(config, Path(args.out), arm_names, Path(args.results), device=args.device)
     target = result["target"]
     print(f"target: KL to the chain {target['kl_to_chain']:.4f} nats/token, trained in "
           f"{target['train_seconds'] / 60:.1f} min; this call {result['seconds_this_call'] / 60:.1f} min\n")
