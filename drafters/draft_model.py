@@ -17,7 +17,7 @@ from torch import Tensor
 from mmvsd.decoding.draft_session import DraftInputs, concat_pairs, select_pairs
 from mmvsd.decoding.engine import pack_for_cpu, packed_linear
 from mmvsd.decoding.kv import sequence_block
-from mmvsd.decoding.weight_quant import int4_available, quantize_module
+from mmvsd.decoding.weight_quant import FORMATS, format_available, format_dtypes, quantize_module
 from mmvsd.errors import UserError
 from mmvsd.target import Target
 from mmvsd.target_loader import load_target_folder, resolve_target_folder
@@ -137,35 +137,50 @@ class DraftModelSession:
         self.deferred = [select_pairs(i, rows) for i in self.deferred]
 
 
-QUANT_OPTION = "@"  # model:NAME@int4 (no comma: bench lists drafters with commas)
-QUANTS = ("none", "int4")  # "none": the name alone
+QUANT_OPTION = "@"  # model:NAME@int8 (no comma: bench lists drafters with commas)
+QUANTS = ("none", *FORMATS)  # "none": the name alone
 
 
 def parse_draft_spec(spec: str) -> tuple[str, str]:
-    """`model:NAME[@int4]` -> (NAME, quant)."""
+    """`model:NAME[@int4|@int8]` -> (NAME, quant)."""
     name, sep, quant = spec[len(PREFIX):].partition(QUANT_OPTION)
     quant = quant if sep else "none"
     if not name:
         raise UserError(f"--drafter {spec}: name a draft model (a built-in target, a folder or a .gguf file)")
     if quant not in QUANTS:
-        raise UserError(f"--drafter {spec}: {quant!r} is no weight format; model:NAME@int4 quantises the draft model")
+        raise UserError(f"--drafter {spec}: {quant!r} is no weight format; model:NAME@int8 (or @int4) quantises "
+                        "the draft model")
     return name, quant
 
 
+def quant_applies(quant: str, target: Target) -> bool:
+    """Whether a draft model next to `target` can run on `quant` weights here (a CPU, a dtype the kernel serves)."""
+    return (target.device.type == "cpu" and target.dtype in format_dtypes(quant)) and format_available(quant)
+
+
+def runnable_default(spec: str, target: Target) -> str:
+    """A built-in target's default `model:NAME@FMT` as it runs next to `target`: the bare `model:NAME` where FMT
+    cannot (a GPU, an fp16 target); an explicit `--drafter model:NAME@FMT` keeps its format, or is an error."""
+    name, quant = parse_draft_spec(spec)
+    return spec if quant == "none" or quant_applies(quant, target) else f"{PREFIX}{name}"
+
+
 def load_draft_model(spec: str, target: Target) -> DraftModel:
-    """The draft model `--drafter model:NAME[@int4]` names (a built-in target name, a folder or a .gguf
+    """The draft model `--drafter model:NAME[@int4|@int8]` names (a built-in target name, a folder or a .gguf
     file), in the target's dtype on its device (never on the exact engine: its numbers never reach the output;
-    bf16 on a CPU runs on oneDNN's packed kernels, and with `@int4` its small forwards on int4 weights,
+    bf16 on a CPU runs on oneDNN's packed kernels, and with `@int4`/`@int8` its small forwards on those weights,
     `mmvsd.decoding.weight_quant`), checked to share the target's tokenizer."""
     name, quant = parse_draft_spec(spec)
-    if quant == "int4" and (target.device.type != "cpu" or target.dtype != torch.bfloat16 or not int4_available()):
-        raise UserError(f"--drafter {spec}: int4 draft weights run on a CPU with a bf16 target (--dtype bf16), and "
-                        f"torch's int4 CPU kernel; here the target is {target.dtype} on {target.device}")
+    if quant != "none" and not quant_applies(quant, target):
+        kinds = " or ".join(str(d).removeprefix("torch.") for d in format_dtypes(quant))
+        raise UserError(f"--drafter {spec}: {quant} draft weights run on a CPU with a {kinds} target, and torch's "
+                        f"{quant} CPU kernel; here the target is {target.dtype} on {target.device}")
     folder = resolve_target_folder(name)
     draft = load_target_folder(folder, name, dtype=target.dtype, device=str(target.device))
     check_same_tokenizer(draft, target, name)
-    if quant == "int4":
-        quantize_module(draft.model, dense_of=packed_linear)
+    if quant != "none":
+        bf16 = target.dtype == torch.bfloat16  # bf16 runs its larger calls on oneDNN's packed kernel
+        quantize_module(draft.model, quant, dense_of=packed_linear if bf16 else (lambda linear: linear))
     else:
         pack_for_cpu(draft.model)  # bf16 on a CPU: oneDNN's prepacked kernels (a quarter faster for Qwen2.5-0.5B)
     return DraftModel(draft, name if quant == "none" else f"{name}{QUANT_OPTION}{quant}")

@@ -9,7 +9,7 @@ from pathlib import Path
 from mmvsd.decoding.engine import pack_for_cpu
 from mmvsd.drafter_base import Drafter, drafter_class, load_drafter
 from mmvsd.drafters.draft_model import PREFIX as DRAFT_MODEL
-from mmvsd.drafters.draft_model import load_draft_model
+from mmvsd.drafters.draft_model import load_draft_model, runnable_default
 from mmvsd.drafters.hybrid import with_ngram
 from mmvsd.drafters.ngram import NgramDrafter, parse_ngram_spec
 from mmvsd.errors import UserError
@@ -25,7 +25,9 @@ def drafter_from_spec(spec: str, target, seed: int = 0, ngram: bool | None = Non
     check_ngram_options(spec, ngram)
     builtin = builtin_targets().get(target.name)
     if spec == "default" and builtin is not None and builtin.default_drafter:
-        spec = builtin.default_drafter  # e.g. qwen2.5-coder-1.5b drafts with qwen2.5-coder-0.5b
+        spec = builtin.default_drafter  # e.g. qwen2.5-coder-1.5b drafts with qwen2.5-coder-0.5b on int8 weights
+        if spec.startswith(DRAFT_MODEL):
+            spec = runnable_default(spec, target)
     if spec == "none" or spec.partition(":")[0] == "ngram":
         return None if spec == "none" else NgramDrafter(parse_ngram_spec(spec))
     if spec.startswith(DRAFT_MODEL):

