@@ -23,7 +23,9 @@ prompts, answered by the target (the trainer's `regenerate`):
 plus `init`, the untrained drafter, as a floor.
 
 Metrics on held-out prompts (prefixes of the chain drawn with another seed), per prompt, then a bootstrap
-over prompts (95% percentile intervals; differences paired on the same resamples):
+(95% percentile intervals; differences paired on the same prompt resamples; with several replicates, i.e.
+training seeds (`--replicate OUT:SEED`), each arm's value is the mean over its seeds and the bootstrap draws
+seeds, then prompts):
     accept_t1  exact expected accepted length of a depth-D chain at T = 1 along the target's own T = 1
                continuation of the prompt (`mmvsd.training.acceptance.expected_acceptance`, the powered study's
                primary metric). At each anchor t (the drafter has read the pairs up to t, the root is token t+1;
@@ -43,6 +45,8 @@ over prompts (95% percentile intervals; differences paired on the same resamples
 
     python benchmarks/vsd_control.py                      # everything, resumable
     python benchmarks/vsd_control.py arm_steps=200 num_eval_prompts=40 --arms ce-sample,accept
+    python benchmarks/vsd_control.py --replicate /tmp/vsd_control:0 --replicate /tmp/vsd_control:1 \
+        --replicate /tmp/vsd_control:2                     # three training seeds, pooled
 
 `KEY=VALUE` overrides any `ControlConfig` field. OUT (default /tmp/vsd_control) holds the target
 (target-<digest>/, reused when its settings match), the data, one folder per trained arm (skipped when
@@ -516,45 +520,15 @@ def make_eval_set(config: ControlConfig, language: MarkovLanguage, target, out: 
     return result
 
 
-@torch.no_grad()
-def teacher_forced_rates(target, drafter, prompts: list[list[int]], continuations: list[list[int]],
-                         depth: int) -> tuple[Tensor, Tensor]:
-    """([B, T, D] a_i at anchor t, [B, T, D] bool: t is an anchor of `mmvsd.training.acceptance.expected_acceptance`
-    and token t+2+i lies in the continuation) from `mmvsd.training.objectives.step_acceptance` over prompt +
-    continuation."""
-    from mmvsd.training.features import TokenBatch, capture_features
-    from mmvsd.training.objectives import step_acceptance
-
-    prompt_lens = torch.tensor([len(p) for p in prompts])
-    lengths = prompt_lens + torch.tensor([len(c) for c in continuations])
-    ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
-    for row, (prompt, cont) in enumerate(zip(prompts, continuations)):
-        ids[row, : lengths[row]] = torch.tensor(prompt + cont)
-    positions = torch.arange(ids.shape[1])
-    loss_mask = (positions > prompt_lens[:, None]) & (positions < lengths[:, None])
-    steps = step_acceptance(drafter, target, capture_features(target, TokenBatch(ids, loss_mask, lengths)), depth)
-    masks = torch.stack([mask for _, mask in steps], -1)  # step i's: token t+2+i is a continuation token
-    return torch.stack([rates for rates, _ in steps], -1), masks & masks[..., :1]
-
-
 def chain_acceptance(target, drafter, prompts: list[list[int]], continuations: list[list[int]], depth: int,
                      batch_size: int = 16) -> list[dict]:
-    """Per prompt: {"sum": sum of E_t over its anchors, "roots": their number} from mmvsd's evaluator
-    (`mmvsd.training.acceptance.expected_acceptance`), and "step_rates": the mean a_i of each step i over the
-    anchors where token t+2+i lies in the continuation."""
+    """Per prompt: {"sum": sum of E_t over its anchors, "roots": their number, "step_rates": the mean a_i of each
+    step i over the anchors where token t+2+i lies in the continuation} from mmvsd's evaluator
+    (`mmvsd.training.acceptance.expected_acceptance`)."""
     from mmvsd.training.acceptance import expected_acceptance
 
-    exact = expected_acceptance(target, drafter, prompts, continuations, depth, batch_size)
-    results = []
-    for first in range(0, len(prompts), batch_size):
-        rows = slice(first, first + batch_size)
-        rates, masks = teacher_forced_rates(target, drafter, prompts[rows], continuations[rows], depth)
-        for row in range(rates.shape[0]):
-            mask = masks[row]
-            step_rates = (rates[row] * mask).sum(0) / mask.sum(0).clamp(min=1)
-            total, count = exact[first + row]
-            results.append({"sum": total, "roots": count, "step_rates": step_rates.tolist()})
-    return results
+    return [{"sum": c.total, "roots": c.anchors, "step_rates": c.step_rates}
+            for c in expected_acceptance(target, drafter, prompts, continuations, depth, batch_size)]
 
 
 @torch.no_grad()
@@ -624,35 +598,42 @@ METRICS = {"accept_t1": ("sum", "roots"), "tau_t0": ("new", "forwards"), "tau_t1
 BASELINES = ("ce-greedy", "ce-sample")
 
 
-def metric_counts(record: dict, metric: str) -> tuple[np.ndarray, np.ndarray]:
-    """([1, P] numerators, [1, P] denominators) of a metric: it is their pooled ratio (sum / sum)."""
+def metric_counts(records: list[dict], metric: str) -> tuple[np.ndarray, np.ndarray]:
+    """([R, P] numerators, [R, P] denominators) of a metric over an arm's R replicates: each replicate's value is
+    their pooled ratio (sum / sum)."""
     numerator, denominator = METRICS[metric]
-    rows = record[metric]
-    return (np.array([[r[numerator] for r in rows]], dtype=float), np.array([[r[denominator] for r in rows]],
-                                                                             dtype=float))
+    return (np.array([[r[numerator] for r in record[metric]] for record in records], dtype=float),
+            np.array([[r[denominator] for r in record[metric]] for record in records], dtype=float))
 
 
-def summarise(evaluations: dict[str, dict], num_resamples: int, seed: int) -> dict[str, dict]:
-    """{arm: {metric: {value, ci95, vs_<baseline>: {diff, diff_ci95}}}}: a percentile bootstrap over held-out
-    prompts, the same resamples for every arm and metric (differences are paired)."""
+def summarise(evaluations: dict[str, list[dict]], num_resamples: int, seed: int) -> dict[str, dict]:
+    """{arm: {metric: {value, ci95, replicates, vs_<baseline>: {diff, diff_ci95}}}} from each arm's replicates
+    (training seeds): the value is the mean over replicates of the pooled ratio; the interval a percentile
+    bootstrap, hierarchical when there are several replicates (each arm draws its own replicates with
+    replacement, then the held-out prompts, whose resamples every arm shares: differences are paired)."""
     stats = _study_statistics()
-    num_prompts = len(next(iter(evaluations.values()))["tau_t0"])
+    num_prompts = len(next(iter(evaluations.values()))[0]["tau_t0"])
     resamples = stats.prompt_resamples(num_prompts, num_resamples, seed)
+    draws = {arm: stats.seed_resamples(len(records), num_resamples, seed + 1 + index) if len(records) > 1 else None
+             for index, (arm, records) in enumerate(evaluations.items())}
     summary = {}
-    for arm, record in evaluations.items():
+    for arm, records in evaluations.items():
         summary[arm] = {}
         for metric in METRICS:
-            counts = metric_counts(record, metric)
-            boot = stats.bootstrap_taus(*counts, resamples)
-            row = {"value": float(stats.pooled_tau(*counts)[0]), "ci95": stats.percentile_interval(boot)}
+            counts = metric_counts(records, metric)
+            boot = stats.bootstrap_taus(*counts, resamples, draws[arm])
+            per_replicate = stats.pooled_tau(*counts)
+            row = {"value": float(per_replicate.mean()), "ci95": stats.percentile_interval(boot),
+                   "replicates": per_replicate.tolist()}
             for baseline in BASELINES:
                 if baseline in evaluations and baseline != arm:
                     base = metric_counts(evaluations[baseline], metric)
-                    diff = float(stats.pooled_tau(*counts)[0] - stats.pooled_tau(*base)[0])
+                    diff = float(per_replicate.mean() - stats.pooled_tau(*base).mean())
                     row[f"vs_{baseline}"] = {"diff": diff, "diff_ci95": stats.percentile_interval(
-                        boot - stats.bootstrap_taus(*base, resamples))}
+                        boot - stats.bootstrap_taus(*base, resamples, draws[baseline]))}
             summary[arm][metric] = row
-        summary[arm]["step_rates_t1"] = np.mean([r["step_rates"] for r in record["accept_t1"]], axis=0).tolist()
+        summary[arm]["step_rates_t1"] = np.mean([r["step_rates"] for record in records for r in record["accept_t1"]],
+                                                axis=0).tolist()
     return summary
 
 
@@ -666,7 +647,8 @@ def _difference(row: dict, baseline: str) -> str:
 
 
 def markdown_tables(summary: dict[str, dict], runs: dict[str, dict], config: ControlConfig) -> str:
-    """The arms x metrics table, then each arm's paired differences from the two CE baselines."""
+    """The arms x metrics table, then each arm's paired differences from the two CE baselines (`runs`: each arm's
+    first replicate's run, with the mean training time over its replicates)."""
     lines = [f"| arm | objective | answers | train min | accept_t1 (D={config.depth}) | tau_t0 ({config.tree}) | "
              f"tau_t1 ({config.tree}) | a_1..a_{config.depth} at T=1 |", "|---|---|---|---|---|---|---|---|"]
     for arm, rows in summary.items():
@@ -684,7 +666,7 @@ def markdown_tables(summary: dict[str, dict], runs: dict[str, dict], config: Con
     return "\n".join(lines) + "\n"
 
 
-def plot(summary: dict[str, dict], config: ControlConfig, path: Path) -> None:
+def plot(summary: dict[str, dict], config: ControlConfig, path: Path, replicates: int = 1) -> None:
     """Each metric per arm with its 95% interval, one panel per metric (written by a rename)."""
     import matplotlib
 
@@ -703,7 +685,8 @@ def plot(summary: dict[str, dict], config: ControlConfig, path: Path) -> None:
         ax.set_xticks(range(len(arms)), arms, rotation=30, ha="right")
         ax.set_title(titles[metric], fontsize=10)
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle("synthetic control: order-2 Markov language, narrow EAGLE-3 drafter (95% CI over prompts)",
+    over = f"{replicates} training seeds, then prompts" if replicates > 1 else "prompts"
+    fig.suptitle(f"synthetic control: order-2 Markov language, narrow EAGLE-3 drafter (95% CI over {over})",
                  fontsize=10)
     fig.tight_layout()
     tmp = path.with_name(f".{path.stem}.tmp.png")
@@ -715,15 +698,14 @@ def plot(summary: dict[str, dict], config: ControlConfig, path: Path) -> None:
 # ----------------------------------------------------------------------------- the whole control
 
 
-def run_control(config: ControlConfig, out: Path, arm_names: list[str] | None = None,
-                results: Path | None = RESULTS, log=print, device: str = "cpu") -> dict:
-    """Target, data, every arm's training and evaluation (each reused when done), summary; returns the result.
-    `device`: where the target (and so the drafters, training and decoding) runs once trained (the target's own
-    training, the data and the initial drafter are made on the CPU, so they are the same on every device)."""
+def run_replicate(config: ControlConfig, out: Path, arm_names: list[str] | None = None, log=print,
+                  device: str = "cpu") -> dict:
+    """One replicate in `out`: the target, data, and every arm's training (seed `config.arm_seed`) and evaluation,
+    each reused when done. `device`: where the target (and so the drafters, training and decoding) runs once
+    trained (the target's own training, the data and the initial drafter are made on the CPU, so they are the
+    same on every device)."""
     from mmvsd.target_loader import load_target
 
-    torch.set_num_threads(1)
-    start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     arms = [a for a in control_arms(config) if arm_names is None or a.name in arm_names]
     if arm_names is not None and len(arms) != len(arm_names):
@@ -742,17 +724,34 @@ def run_control(config: ControlConfig, out: Path, arm_names: list[str] | None = 
     for name, run in runs.items():
         evaluations[name] = evaluate_drafter(config, target, Path(run["folder"]), eval_set, out, name)
         log(f"evaluated {name} ({evaluations[name]['eval_seconds']:.0f} s)")
+    return {"out": str(out), "arm_seed": config.arm_seed, "device": device, "runs": runs, "evaluations": evaluations,
+            "target": json.loads((target_folder / "control_target.json").read_text()), "language": language}
+
+
+def run_control(config: ControlConfig, out: Path, arm_names: list[str] | None = None,
+                results: Path | None = RESULTS, log=print, device: str = "cpu",
+                replicates: list[tuple[Path, int]] | None = None) -> dict:
+    """Every replicate (`replicates`: (OUT, arm seed) pairs, default `out` at `config.arm_seed`) run or reused, then
+    the summary over them; returns the result."""
+    torch.set_num_threads(1)
+    start = time.perf_counter()
+    done = [run_replicate(dataclasses.replace(config, arm_seed=seed), Path(folder), arm_names, log, device)
+            for folder, seed in (replicates or [(out, config.arm_seed)])]
+    evaluations = {arm: [r["evaluations"][arm] for r in done] for arm in done[0]["evaluations"]}
     summary = summarise(evaluations, config.bootstrap, config.bootstrap_seed)
+    runs = {arm: {**run, "train_seconds": float(np.mean([r["runs"][arm]["train_seconds"] for r in done]))}
+            for arm, run in done[0]["runs"].items()}
+    language = done[0]["language"]
     result = {
         "config": dataclasses.asdict(config),
-        "target": json.loads((target_folder / "control_target.json").read_text()),
+        "target": done[0]["target"],
         "language": {"kind_counts": torch.bincount(language.kinds.flatten(), minlength=4).tolist(),
                      "mean_context_entropy": language.entropy()},
         "metrics": {"accept_t1": chain_acceptance.__doc__, "tau_t0": "tree decoding at T = 0, lossless-checked",
                     "tau_t1": "tree decoding at T = 1, one seed per prompt"},
-        "runs": runs,
+        "replicates": [{"out": r["out"], "arm_seed": r["arm_seed"], "runs": r["runs"]} for r in done],
         "summary": summary,
-        "per_prompt": evaluations,
+        "per_prompt": evaluations,  # {arm: [one record per replicate]}
         "seconds_this_call": time.perf_counter() - start,  # what this call did (cached stages take none)
     }
     if results is not None:
@@ -760,9 +759,16 @@ def run_control(config: ControlConfig, out: Path, arm_names: list[str] | None = 
         tmp = results.with_suffix(".tmp")
         tmp.write_text(json.dumps(result, indent=1) + "\n")
         tmp.rename(results)
-        plot(summary, config, results.with_suffix(".png"))
+        plot(summary, config, results.with_suffix(".png"), len(done))
     result["table"] = markdown_tables(summary, runs, config)
     return result
+
+
+def parse_replicate(spec: str) -> tuple[Path, int]:
+    folder, sep, seed = spec.rpartition(":")
+    if not sep or not folder or not seed.isdigit():
+        raise SystemExit(f"vsd_control: --replicate {spec!r}: use OUT:SEED (a working folder and an arm seed)")
+    return Path(folder), int(seed)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -773,10 +779,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", default=str(RESULTS), help="where the result JSON goes")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N: where arms train and are "
                         "evaluated")
+    parser.add_argument("--replicate", action="append", default=[], type=parse_replicate, metavar="OUT:SEED",
+                        help="a replicate (working folder and arm seed; repeat: the summary pools them); default "
+                        "--out at the config's arm_seed")
     args = parser.parse_args(argv)
     config = parse_overrides(ControlConfig(), args.overrides)
     arm_names = [a for a in args.arms.split(",") if a] or None
-    result = run_control(config, Path(args.out), arm_names, Path(args.results), device=args.device)
+    result = run_control(config, Path(args.out), arm_names, Path(args.results), device=args.device,
+                         replicates=args.replicate or None)
     target = result["target"]
     print(f"target: KL to the chain {target['kl_to_chain']:.4f} nats/token, trained in "
           f"{target['train_seconds'] / 60:.1f} min; this call {result['seconds_this_call'] / 60:.1f} min\n")

@@ -291,8 +291,8 @@ def measure_counts(target, drafter, prompt_set: PromptSet, shape, temperature: f
     if accept_depth:
         from mmvsd.training.acceptance import expected_acceptance
 
-        pairs = expected_acceptance(target, drafter, prompt_set.prompts, prompt_set.sampled, accept_depth, batch_size)
-        return [total for total, _ in pairs], [count for _, count in pairs]
+        chains = expected_acceptance(target, drafter, prompt_set.prompts, prompt_set.sampled, accept_depth, batch_size)
+        return [c.total for c in chains], [c.anchors for c in chains]
     if temperature == 0:
         from mmvsd.training.acceptance import evaluate_acceptance
 

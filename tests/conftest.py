@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import sys
 import traceback
 from pathlib import Path
 
@@ -85,6 +87,15 @@ def no_deprecation_is_logged():
     for logger in loggers:
         logger.removeHandler(handler)
     assert not handler.found, "a library logged a deprecation:\n" + "\n".join(handler.found.values())
+
+
+def load_benchmark_script(name: str):
+    """benchmarks/NAME.py as a module (registered under NAME: dataclasses look their module up while it runs)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def make_tiny_llama(seed: int = 0, vocab: int = TINY_VOCAB, attn: str = "sdpa") -> LlamaForCausalLM:

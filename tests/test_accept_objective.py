@@ -107,7 +107,8 @@ def test_expected_acceptance_is_the_chain_sum_of_products_along_the_continuation
     prompts = [Prompt(torch.randint(0, 128, (n,), generator=gen).tolist()) for n in (4, 6)]
     continuations = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (7, 3)]
     got = expected_acceptance(tiny_target, drafter, prompts, continuations, depth=3, batch_size=1)
-    for (total, count), prompt, cont in zip(got, prompts, continuations, strict=True):
+    for chain, prompt, cont in zip(got, prompts, continuations, strict=True):
+        total, count = chain.total, chain.anchors
         ids = torch.tensor([prompt.token_ids + cont])
         start, end = len(prompt.token_ids), ids.shape[1]
         mask = (torch.arange(end) >= start)[None]

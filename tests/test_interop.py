@@ -5,24 +5,14 @@ run everywhere."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "interop_vllm.py"
+from conftest import load_benchmark_script
 
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("interop_vllm", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-interop = load_script()
+interop = load_benchmark_script("interop_vllm")
 VENV = os.environ.get("MMVSD_INTEROP_VENV", interop.DEFAULT_VENV)
 
 

@@ -3,31 +3,25 @@ whole pipeline (target, mmvsd's trainer for three arms, evaluation, resumption) 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import make_tiny_llama
+from conftest import load_benchmark_script, make_tiny_llama
+from mmvsd.decoding.decode import as_prompts
 from mmvsd.decoding.draft_session import DraftInputs
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.target import Target
+from mmvsd.training.acceptance import chain_step_rates
 from mmvsd.training.features import TokenBatch, capture_features
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "vsd_control.py"
 
 
 @pytest.fixture(scope="module")
 def control():
-    spec = importlib.util.spec_from_file_location("vsd_control", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["vsd_control"] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_script("vsd_control")
 
 
 TOY = ["num_tokens=8", "target_hidden=32", "target_intermediate=64", "target_layers=2", "target_heads=2",
@@ -142,7 +136,7 @@ def test_acceptance_equals_a_decoding_session_forced_along_the_continuation(cont
     drafter = Eagle3Drafter.from_target(tiny, draft_vocab_size=None, seed=2).eval()
     prompt, cont = [5, 9, 17, 3], [40, 41, 7, 99, 12, 64, 8, 8]
     depth, seq = 3, torch.tensor([[5, 9, 17, 3, 40, 41, 7, 99, 12, 64, 8, 8]])
-    rates, masks = control.teacher_forced_rates(tiny, drafter, [prompt], [cont], depth)
+    rates, masks, _ = chain_step_rates(tiny, drafter, as_prompts([prompt]), [cont], depth)
     features = drafter.target_features(*_aux_and_last(tiny, seq))
     expected_total = 0.0
     with torch.no_grad():
@@ -205,14 +199,18 @@ def _evaluation(sums, roots, new, forwards):
     return {"accept_t1": rows, "tau_t0": taus, "tau_t1": taus}
 
 
-def test_summary_pools_prompts_and_pairs_the_differences(control):
-    rng = np.random.default_rng(0)
+def _random_counts(seed: int):
+    """(sums, roots, new, forwards) of 30 held-out prompts."""
+    rng = np.random.default_rng(seed)
     roots = rng.integers(5, 20, size=30)
-    sums = rng.uniform(0.5, 3.0, size=30) * roots
-    new, forwards = rng.integers(40, 64, size=30), rng.integers(15, 40, size=30)
+    return rng.uniform(0.5, 3.0, size=30) * roots, roots, rng.integers(40, 64, size=30), rng.integers(15, 40, size=30)
+
+
+def test_summary_pools_prompts_and_pairs_the_differences(control):
+    sums, roots, new, forwards = _random_counts(0)
     base = _evaluation(sums, roots, new, forwards)
     better = _evaluation(sums + 0.5 * roots, roots, new, forwards)  # +0.5 accepted tokens at every root
-    summary = control.summarise({"ce-greedy": base, "ce-sample": base, "accept": better}, 500, seed=0)
+    summary = control.summarise({"ce-greedy": [base], "ce-sample": [base], "accept": [better]}, 500, seed=0)
     accept = summary["accept"]["accept_t1"]
     assert accept["value"] == pytest.approx((sums.sum() + 0.5 * roots.sum()) / roots.sum())
     assert accept["vs_ce-greedy"]["diff"] == pytest.approx(0.5)
@@ -226,13 +224,27 @@ def test_summary_pools_prompts_and_pairs_the_differences(control):
     assert "+0.500 [+0.500, +0.500]" in table and table.count("\n| accept |") == 2
 
 
+def test_replicates_are_averaged_and_their_spread_widens_the_interval(control):
+    sums, roots, new, forwards = _random_counts(1)
+    base = _evaluation(sums, roots, new, forwards)
+    seeds = [_evaluation(sums + gain * roots, roots, new, forwards) for gain in (0.5, 1.5)]
+    summary = control.summarise({"ce-greedy": [base, base], "ce-sample": [base], "accept": seeds}, 2000, seed=0)
+    accept = summary["accept"]["accept_t1"]
+    one = (sums.sum() + 0.5 * roots.sum()) / roots.sum()
+    assert accept["replicates"] == pytest.approx([one, one + 1.0])
+    assert accept["value"] == pytest.approx(one + 0.5) and accept["vs_ce-greedy"]["diff"] == pytest.approx(1.0)
+    # paired prompts cancel, so the difference's interval is the seeds' spread: both draws of one seed at the ends
+    assert accept["vs_ce-greedy"]["diff_ci95"] == pytest.approx([0.5, 1.5])
+    assert summary["ce-greedy"]["accept_t1"]["replicates"] == pytest.approx([one - 0.5] * 2)
+
+
 def test_whole_control_at_toy_size_resumes_an_interrupted_arm_and_reuses_finished_ones(control, tmp_path, monkeypatch):
     from mmvsd.training import trainer
 
     config = control.parse_overrides(control.ControlConfig(), TOY)
     arms = ["ce-greedy", "ce-sample", "ce+vsd"]
     results = tmp_path / "result.json"
-    real_step = trainer._optimizer_step
+    real_step, real_train = trainer._optimizer_step, trainer.train
 
     def interrupted(run, state):  # the first arm stops after its first checkpoint (step 1 of 2)
         if state.step == 1:
@@ -244,23 +256,33 @@ def test_whole_control_at_toy_size_resumes_an_interrupted_arm_and_reuses_finishe
         control.run_control(config, tmp_path / "out", arms, results, log=lambda *a: None)
     monkeypatch.setattr(trainer, "_optimizer_step", real_step)
     result = control.run_control(config, tmp_path / "out", arms, results, log=lambda *a: None)
-    assert [result["runs"][arm]["resumed"] for arm in arms] == [True, False, False]
+    assert [result["replicates"][0]["runs"][arm]["resumed"] for arm in arms] == [True, False, False]
     assert result["target"]["kl_to_chain"] >= 0 and result["target"]["settings"]["num_tokens"] == 8
     saved = json.loads(results.read_text())
     assert results.with_suffix(".png").stat().st_size > 0
     assert set(saved["summary"]) == {"init", *arms} and saved["config"]["depth"] == 3
-    for arm, record in saved["per_prompt"].items():
+    for arm, [record] in saved["per_prompt"].items():
         assert record["lossless_t0"] and len(record["tau_t0"]) == 4
         assert [r["roots"] for r in record["accept_t1"]] == [12 - 1] * 4
         assert 0 <= saved["summary"][arm]["accept_t1"]["value"] <= 3
         assert saved["summary"][arm]["tau_t0"]["value"] >= 1
-    recipe = (Path(saved["runs"]["ce+vsd"]["folder"]) / "train_config.yaml").read_text()
+    [replicate] = saved["replicates"]
+    assert replicate["arm_seed"] == 0 and set(replicate["runs"]) == set(arms)
+    recipe = (Path(replicate["runs"]["ce+vsd"]["folder"]) / "train_config.yaml").read_text()
     assert "objective: ce+vsd" in recipe and "ce_weight: 1.0" in recipe and "vsd_weight: 0.1" in recipe
     assert "regenerate: sample" in recipe and "path_length: 3" in recipe
-    greedy = (Path(saved["runs"]["ce-greedy"]["folder"]) / "train_config.yaml").read_text()
+    greedy = (Path(replicate["runs"]["ce-greedy"]["folder"]) / "train_config.yaml").read_text()
     assert "regenerate: greedy" in greedy and "objective: ce" in greedy
     assert "| ce+vsd | ce+vsd | sample |" in result["table"]
 
     monkeypatch.setattr(trainer, "train", lambda *a, **k: pytest.fail("a finished arm was trained again"))
     again = control.run_control(config, tmp_path / "out", arms, None, log=lambda *a: None)
     assert again["summary"] == saved["summary"]
+
+    monkeypatch.setattr(trainer, "train", real_train)  # a second seed: its arms train, the first seed's are reused
+    pooled = control.run_control(config, tmp_path / "out", arms[:2], None, log=lambda *a: None,
+                                 replicates=[(tmp_path / "out", 0), (tmp_path / "out", 1)])
+    assert [r["arm_seed"] for r in pooled["replicates"]] == [0, 1]
+    first, second = (r["runs"]["ce-sample"]["folder"] for r in pooled["replicates"])
+    assert first == saved["replicates"][0]["runs"]["ce-sample"]["folder"] and second != first
+    assert len(pooled["summary"]["ce-sample"]["tau_t0"]["replicates"]) == 2

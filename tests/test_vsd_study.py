@@ -2,27 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from conftest import load_benchmark_script
 from mmvsd.errors import UserError
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "vsd_study.py"
 
 
 @pytest.fixture(scope="module")
 def study():
-    spec = importlib.util.spec_from_file_location("vsd_study", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["vsd_study"] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark_script("vsd_study")
 
 
 def test_pooled_tau_is_total_tokens_over_total_forwards(study):

@@ -183,44 +183,70 @@ def cached_greedy_continuations(
     return continuations
 
 
+def prompt_continuation_batch(target: Target, prompts: list, continuations: list[list[int]]) -> TokenBatch:
+    """Prompt + continuation per row, right-padded on the target's device (with the media a prompt carries);
+    the loss mask is the continuation's tokens after its first (the first is the target's choice at prefill)."""
+    prompt_lens = torch.tensor([len(p.token_ids) for p in prompts], dtype=torch.long)
+    lengths = prompt_lens + torch.tensor([len(c) for c in continuations], dtype=torch.long)
+    seq_ids = torch.zeros(len(prompts), int(lengths.max()), dtype=torch.long)
+    for row, (prompt, cont) in enumerate(zip(prompts, continuations)):
+        seq_ids[row, : int(lengths[row])] = torch.tensor(prompt.token_ids + list(cont))
+    positions = torch.arange(seq_ids.shape[1])
+    loss_mask = (positions > prompt_lens[:, None]) & (positions < lengths[:, None])
+    seq_ids = seq_ids.to(target.device)
+    embeds = padded_embeds(target, prompts, seq_ids)
+    spans = span_ids(prompts, seq_ids.shape[1], target.device) if embeds is not None else None
+    return TokenBatch(seq_ids, loss_mask.to(target.device), lengths.to(target.device), embeds, spans)
+
+
 @torch.no_grad()
+def chain_step_rates(target: Target, drafter: Drafter, prompts: list, continuations: list[list[int]],
+                     depth: int) -> tuple[Tensor, Tensor, Tensor]:
+    """([B, T, depth] a_i(t), [B, T, depth] bool: t is an anchor and token t+2+i lies in the continuation,
+    [B, T] bool: the anchors) from one target forward over prompt + continuation: a_i(t) = sum_v min(p, q_i)
+    is the exact probability that token i of a chain the drafter samples at t passes speculative sampling,
+    teacher-forced along the continuation as training unrolls (`objectives.step_acceptance`). An anchor is a
+    position whose next-but-one token is a continuation token after the first."""
+    batch = capture_features(target, prompt_continuation_batch(target, prompts, continuations))
+    steps = step_acceptance(drafter, target, batch, depth)
+    masks = torch.stack([mask for _, mask in steps], -1)
+    return torch.stack([rates for rates, _ in steps], -1), masks & masks[..., :1], masks[..., 0]
+
+
+@dataclass(frozen=True)
+class ChainAcceptance:
+    """One prompt's expected acceptance along its continuation (`expected_acceptance`)."""
+
+    total: float  # sum over the anchors of E(t)
+    anchors: int
+    step_rates: list[float]  # mean a_i of each step i over the anchors whose token t+2+i lies in the continuation
+
+
 def expected_acceptance(
     target: Target, drafter: Drafter, prompts: list[PromptLike], continuations: list[list[int]], depth: int,
     batch_size: int = 8,
-) -> list[tuple[float, int]]:
-    """Per prompt (sum over anchors of E, number of anchors): E(t) = sum_{k=1..depth} prod_{i<k} a_i(t) is the
-    expected number of accepted tokens of a depth-`depth` chain sampled from the drafter at anchor t of the
-    continuation, with a_i(t) = sum_v min(p, q_i) the exact probability that its token i passes speculative
-    sampling (teacher-forced along the continuation, as training unrolls; 0 past the continuation's end). An
-    anchor is every position whose next-but-one token is a continuation token after the first (which the target
-    chooses at prefill, as decoding does). No sampling: the same drafter, prompts and continuations give the same
-    number."""
+) -> list[ChainAcceptance]:
+    """Per prompt: E(t) = sum_{k=1..depth} prod_{i<k} a_i(t), summed over its anchors, is the expected number of
+    accepted tokens of a depth-`depth` chain sampled from the drafter at anchor t of the continuation, with a_i(t)
+    from `chain_step_rates` (0 past the continuation's end). No sampling: the same drafter, prompts and
+    continuations give the same number."""
     prompts = as_prompts(prompts)
     if len(prompts) != len(continuations):
         raise UserError(f"need one continuation per prompt, got {len(continuations)} for {len(prompts)} prompts")
-    results: list[tuple[float, int]] = []
+    results: list[ChainAcceptance] = []
     for first in range(0, len(prompts), batch_size):
-        chunk, conts = prompts[first : first + batch_size], continuations[first : first + batch_size]
-        prompt_lens = torch.tensor([len(p.token_ids) for p in chunk], dtype=torch.long)
-        lengths = prompt_lens + torch.tensor([len(c) for c in conts], dtype=torch.long)
-        seq_ids = torch.zeros(len(chunk), int(lengths.max()), dtype=torch.long)
-        for row, (prompt, cont) in enumerate(zip(chunk, conts)):
-            seq_ids[row, : int(lengths[row])] = torch.tensor(prompt.token_ids + list(cont))
-        positions = torch.arange(seq_ids.shape[1])
-        loss_mask = (positions > prompt_lens[:, None]) & (positions < lengths[:, None])  # the first: the prefill's
-        seq_ids = seq_ids.to(target.device)
-        embeds = padded_embeds(target, chunk, seq_ids)
-        spans = span_ids(chunk, seq_ids.shape[1], target.device) if embeds is not None else None
-        batch = capture_features(target, TokenBatch(seq_ids, loss_mask, lengths, embeds, spans))
-        steps = step_acceptance(drafter, target, batch, depth)
-        survive = torch.ones_like(steps[0][0])
+        rows = slice(first, first + batch_size)
+        rates, masks, anchors = chain_step_rates(target, drafter, prompts[rows], continuations[rows], depth)
+        rates = torch.where(masks, rates, torch.zeros_like(rates))
+        survive = torch.ones_like(rates[..., 0])
         expected = torch.zeros_like(survive)
-        for rates, mask in steps:
-            survive = survive * torch.where(mask, rates, torch.zeros_like(rates))
+        for step in range(depth):
+            survive = survive * rates[..., step]
             expected = expected + survive
-        anchors = steps[0][1]
-        for row in range(len(chunk)):
-            results.append((float(expected[row][anchors[row]].sum()), int(anchors[row].sum())))
+        step_rates = rates.sum(1) / masks.sum(1).clamp(min=1)  # [B, depth]
+        for row in range(rates.shape[0]):
+            results.append(ChainAcceptance(float(expected[row][anchors[row]].sum()), int(anchors[row].sum()),
+                                           step_rates[row].tolist()))
     return results
 
 
@@ -295,19 +321,14 @@ def _evaluate_chunk(target, drafter, prompts, continuations, shape, tie_epsilon,
 
 def _capture(target: Target, drafter: Proposer, prompts, continuations) -> tuple[_Replay, Tensor, Tensor]:
     """One batched causal target forward over prompt + continuation: features, argmax and top-2 margins."""
-    device = target.device
-    prompt_lens = torch.tensor([len(p.token_ids) for p in prompts], dtype=torch.long, device=device)
-    cont_lens = torch.tensor([len(c) for c in continuations], dtype=torch.long, device=device)
-    seq_ids = torch.zeros(len(prompts), int((prompt_lens + cont_lens).max()), dtype=torch.long, device=device)
-    for row, (prompt, cont) in enumerate(zip(prompts, continuations)):
-        seq_ids[row, : len(prompt.token_ids) + len(cont)] = torch.tensor(prompt.token_ids + list(cont))
-    embeds = padded_embeds(target, prompts, seq_ids)
-    spans = span_ids(prompts, seq_ids.shape[1], device) if embeds is not None else None
-    tokens = TokenBatch(seq_ids, torch.zeros_like(seq_ids, dtype=torch.bool), prompt_lens + cont_lens, embeds, spans)
+    tokens = prompt_continuation_batch(target, prompts, continuations)
+    cont_lens = torch.tensor([len(c) for c in continuations], dtype=torch.long, device=target.device)
     batch = capture_features(target, tokens)
     features = drafter.target_features(batch.features, batch.target_hidden)
     target_ids, margins = _target_choices(target, batch.target_hidden)
-    replay = _Replay(seq_ids, prompt_lens, cont_lens, features, _prefill_media(target, prompts, seq_ids, prompt_lens))
+    prompt_lens = tokens.lengths - cont_lens
+    replay = _Replay(tokens.input_ids, prompt_lens, cont_lens, features,
+                     _prefill_media(target, prompts, tokens.input_ids, prompt_lens))
     return replay, target_ids, margins
 
 
