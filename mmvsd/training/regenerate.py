@@ -13,10 +13,11 @@ answers come from `mmvsd.decoding.decode.vanilla_generate` and are decoded witho
 Batching: a pool of up to `batch_size` conversations is in flight; each step answers the next
 assistant turn of every conversation in the pool, finished conversations are written to the cache
 and replaced from the queue. At temperature 0 one step is one batched `vanilla_generate` call. At
-temperature > 0 `vanilla_generate` draws every row from one generator seeded per call, so a row's
-sample would depend on its batch-mates: there each answer is generated alone (one call per answer)
-with a seed derived from (seed, conv_id, answer index) by CRC-32, which makes the result independent
-of batch size, input order and resumption.
+temperature > 0 `vanilla_generate` seeds every row's generator from the call's one seed (per-request
+seeds, `verify.row_generators`), so the rows of one call would draw the same random numbers: there each
+answer is generated alone (one call per answer) with a seed derived from (seed, conv_id, answer index) by
+CRC-32, which makes the samples independent across conversations and the result independent of batch
+size, input order and resumption.
 
 Stopping early: an answer whose prompt would not fit the context window (prompt + max_new_tokens + 1
 > target.max_positions) or is already as long as the training examples (`max_prompt_tokens`: a
