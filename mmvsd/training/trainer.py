@@ -459,6 +459,7 @@ def _optimizer_step(run: Run, state: TrainState) -> dict:
     """grad_accum micro-batches, one AdamW update (skipped, and counted, if a loss is not finite on any process)."""
     config, accelerator, model = run.config, run.accelerator, run.model
     totals: dict[str, float] = {}
+    tokens = 0  # this process's, summed over the processes once per step
     first, last = state.step * config.grad_accum, (state.step + 1) * config.grad_accum - 1
     for micro in range(first, last + 1):
         rows = run.split.rows(micro_batch_indices(config, run.drafter, run.source, micro, run.steps,
@@ -473,10 +474,11 @@ def _optimizer_step(run: Run, state: TrainState) -> dict:
             if not bool(finite.item()):
                 return _skip_step(config, run.optimizer, run.scheduler, state)
             accelerator.backward(loss / config.grad_accum)
-        state.tokens_seen += reduce_count(accelerator, int(batch.tokens.lengths.sum()))
+        tokens += int(batch.tokens.lengths.sum())
         for key, value in {"loss": float(loss.detach()), **metrics}.items():
             totals[key] = totals.get(key, 0.0) + value / config.grad_accum
     totals = reduce_metrics(accelerator, totals)
+    state.tokens_seen += reduce_count(accelerator, tokens)
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), config.max_grad_norm)
     run.optimizer.step()
     run.scheduler.step()
