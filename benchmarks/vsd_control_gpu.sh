@@ -1,6 +1,6 @@
 #!/bin/bash
 # The synthetic control (benchmarks/vsd_control.py) at 3 seeds x 6 arms on one CUDA GPU, one process per run.
-#   [RUNS="0:ce-greedy 1:vsd ..."] bash benchmarks/vsd_control_gpu.sh SRC OUT [KEY=VALUE...]
+#   [RUNS="0:ce-greedy 1:vsd ..."] [DEVICE=cuda] [PYTHON=python3] bash benchmarks/vsd_control_gpu.sh SRC OUT [KEY=VALUE...]
 # SRC holds what the CPU made once (the trained target-*, data-*.jsonl and the drafter-init-* of each seed), so
 # every run starts from the same target, data and initial drafter as the CPU runs; each run gets its own working
 # folder OUT/s<seed>-<arm> (its answers regenerated, its held-out set and lossless check made on the GPU).
@@ -17,7 +17,7 @@ for run in ${RUNS:-$(for s in 0 1 2; do printf '%s ' $s:{ce-greedy,ce-sample,vsd
     for cache in "$dir"/regenerated/*.jsonl; do
       [ -f "$cache" ] && sed -i "s#\"target\": \"[^\"]*/target-#\"target\": \"$dir/target-#" "$cache"
     done
-    (python3 benchmarks/vsd_control.py --device "${DEVICE:-cuda}" --out "$dir" --arms "$arm" \
+    ("${PYTHON:-python3}" benchmarks/vsd_control.py --device "${DEVICE:-cuda}" --out "$dir" --arms "$arm" \
         --results "$dir/result.json" "arm_seed=$seed" "$@" > "$dir/log.txt" 2>&1
      echo "rc=$?" >> "$dir/log.txt") &
   }

@@ -4,6 +4,8 @@ whole pipeline (target, mmvsd's trainer for three arms, evaluation, resumption) 
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -286,3 +288,29 @@ def test_whole_control_at_toy_size_resumes_an_interrupted_arm_and_reuses_finishe
     first, second = (r["runs"]["ce-sample"]["folder"] for r in pooled["replicates"])
     assert first == saved["replicates"][0]["runs"]["ce-sample"]["folder"] and second != first
     assert len(pooled["summary"]["ce-sample"]["tau_t0"]["replicates"]) == 2
+
+
+def test_the_gpu_script_runs_each_seed_and_arm_in_its_own_folder_reusing_the_answers(control, tmp_path):
+    """benchmarks/vsd_control_gpu.sh with DEVICE=cpu: the run starts from SRC's target, data, initial drafter and
+    regenerated answers (their cache key rewritten to the run's folder, so nothing is regenerated)."""
+    import shutil
+    import subprocess
+
+    config = control.parse_overrides(control.ControlConfig(), TOY)
+    control.run_control(config, tmp_path / "made", ["ce-sample"], None, log=lambda *a: None)
+    src = tmp_path / "src"
+    src.mkdir()
+    for made in (tmp_path / "made").iterdir():
+        if made.name.startswith(("target-", "data-", "drafter-init-", "regenerated")):
+            (shutil.copytree if made.is_dir() else shutil.copy)(made, src / made.name)
+    [cache] = (src / "regenerated").glob("sample-*.jsonl")
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "vsd_control_gpu.sh"
+    env = {**os.environ, "RUNS": "0:ce+vsd", "DEVICE": "cpu", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(["bash", str(script), str(src), str(tmp_path / "out"), *TOY], env=env,
+                          cwd=script.parents[1], capture_output=True, text=True, timeout=600)
+    run = tmp_path / "out" / "s0-ce_vsd"  # no "+" in the folder: --data would read "a+b" as two datasets
+    assert done.returncode == 0 and "s0-ce_vsd/log.txt:rc=0" in done.stdout, (done.stdout, done.stderr)
+    result = json.loads((run / "result.json").read_text())
+    assert set(result["summary"]) == {"init", "ce+vsd"}
+    reused = (run / "regenerated" / cache.name).read_text()
+    assert reused == cache.read_text().replace(str(tmp_path / "made" / "target-"), str(run / "target-"))
