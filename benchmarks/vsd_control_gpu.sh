@@ -1,6 +1,7 @@
 #!/bin/bash
 # The synthetic control (benchmarks/vsd_control.py) at 3 seeds x 6 arms on one CUDA GPU, one process per run.
-#   [RUNS="0:ce-greedy 1:vsd ..."] [DEVICE=cuda] [PYTHON=python3] bash benchmarks/vsd_control_gpu.sh SRC OUT [KEY=VALUE...]
+#   [RUNS="0:ce-greedy 1:vsd ..."] [DEVICE=cuda] [PYTHON=python3] \
+#       bash benchmarks/vsd_control_gpu.sh SRC OUT [KEY=VALUE...]
 # SRC holds what the CPU made once (the trained target-*, data-*.jsonl and the drafter-init-* of each seed), so
 # every run starts from the same target, data and initial drafter as the CPU runs; each run gets its own working
 # folder OUT/s<seed>-<arm> (its answers regenerated, its held-out set and lossless check made on the GPU).
