@@ -368,3 +368,16 @@ def _shuffled(n: int, seed: int) -> list[int]:
 
 def _expected_split_seed0() -> list[int]:
     return [7, 8, 1]
+
+
+def test_a_dataset_file_with_a_plus_in_its_path_is_one_spec_not_a_mixture(tmp_path):
+    from mmvsd.training.dataset import data_specs
+
+    folder = tmp_path / "ce+vsd"
+    folder.mkdir()
+    (folder / "data.jsonl").write_text("")
+    (tmp_path / "a.jsonl").write_text("")
+    assert data_specs(str(folder / "data.jsonl")) == [str(folder / "data.jsonl")]
+    assert data_specs(f"sharegpt:{folder / 'data.jsonl'}") == [f"sharegpt:{folder / 'data.jsonl'}"]
+    assert data_specs(f"{tmp_path / 'a.jsonl'}+sharegpt") == [str(tmp_path / "a.jsonl"), "sharegpt"]
+    assert data_specs(f"{folder}/missing.jsonl") == [str(tmp_path / "ce"), "vsd/missing.jsonl"]  # no such file: a mixture

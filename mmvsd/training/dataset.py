@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from mmvsd.data.conversations import load_conversations
+from mmvsd.data.conversations import load_conversations, parse_dataset_spec
 from mmvsd.data.render import RenderedExample, render_conversation, split_conversations
 from mmvsd.errors import UserError
 from mmvsd.target import Target
@@ -54,7 +54,14 @@ def render_all(
 
 
 def data_specs(data: str) -> list[str]:
-    """The dataset specs of a mixture `SPEC+SPEC+...` (e.g. ShareGPT plus LLaVA-Instruct, as MLLM drafters train)."""
+    """The dataset specs of a mixture `SPEC+SPEC+...` (e.g. ShareGPT plus LLaVA-Instruct, as MLLM drafters train).
+    A spec naming a file that exists is one spec, a "+" in its path included."""
+    try:
+        whole = parse_dataset_spec(data)[1]
+    except UserError:
+        whole = None
+    if whole is not None and whole.is_file():
+        return [data.strip()]
     specs = [spec.strip() for spec in data.split("+")]
     if not all(specs):
         raise UserError(f"empty dataset in the mixture {data!r} (write SPEC+SPEC)")
