@@ -373,11 +373,16 @@ def load_conversations(spec: str, limit: int | None = None,
                        image_root: str | Path | None = None) -> list[Conversation]:
     """Read the conversations a dataset spec names; what was skipped is logged (warning if any)."""
     conversations, stats = read_conversations(spec, limit=limit, image_root=image_root)
+    log_load_stats(stats)
+    return conversations
+
+
+def log_load_stats(stats: LoadStats) -> None:
+    """Log what reading a dataset skipped (a warning if anything)."""
     skipped = stats.num_no_assistant + stats.num_malformed + stats.num_missing_images
     logger.log(logging.WARNING if skipped else logging.INFO, "%s", stats.summary())
     if stats.unknown_roles:
         logger.warning("%s: unknown speaker roles dropped: %s", stats.source, sorted(stats.unknown_roles)[:10])
-    return conversations
 
 
 def _no_records_message(path: Path, fmt: str, stats: LoadStats) -> str:

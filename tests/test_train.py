@@ -55,6 +55,18 @@ def test_two_step_train_then_generate(setup, tmp_path, capsys, objective):
     assert code == 0
 
 
+def test_training_reads_each_dataset_file_once(setup, tmp_path, capsys, monkeypatch):
+    from mmvsd.data import conversations
+
+    target, data = setup
+    opened = []
+    real = conversations.iter_records
+    monkeypatch.setattr(conversations, "iter_records", lambda path, stats: opened.append(path) or real(path, stats))
+    code, err = train_cli(capsys, target, data, tmp_path / "out", "max_steps=1")
+    assert code == 0, err
+    assert opened == [data]  # the check before the target loads read it; the examples reuse what it read
+
+
 def test_draft_vocab_comes_from_assistant_token_frequencies(setup, tmp_path, capsys):
     target, data = setup
     assert train_cli(capsys, target, data, tmp_path / "out", "max_steps=1")[0] == 0

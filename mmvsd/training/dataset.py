@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from mmvsd.data.conversations import load_conversations, parse_dataset_spec
+from mmvsd.data.conversations import load_conversations, log_load_stats, parse_dataset_spec
 from mmvsd.data.render import RenderedExample, render_conversation, split_conversations
 from mmvsd.errors import UserError
 from mmvsd.target import Target
@@ -72,12 +72,21 @@ def load_examples(
     target: Target, data: str, *, num_conversations: int, max_length: int, validation_fraction: float, seed: int,
     regenerate: str = "none", regenerate_max_new_tokens: int = 512, regenerate_cache: Path | None = None,
     regenerate_batch_size: int = 64, progress: bool = True, adapter: str = "", image_root: str = "",
+    read: dict[str, tuple] | None = None,
 ) -> ExampleSplit:
-    """Read `data` (relative image paths under `image_root`, else each file's folder), split it deterministically by
-    `seed`, regenerate answers if asked, render."""
+    """Read `data` (relative image paths under `image_root`, else each file's folder; `read`: {spec: (conversations,
+    LoadStats)} already read the same way, e.g. by the trainer's checks), split it deterministically by `seed`,
+    regenerate answers if asked, render."""
     root = image_root or None
-    conversations = [conv for spec in data_specs(data)
-                     for conv in load_conversations(spec, limit=num_conversations or None, image_root=root)]
+
+    def conversations_of(spec: str) -> list:
+        if read is not None and spec in read:
+            found, stats = read[spec]
+            log_load_stats(stats)
+            return found
+        return load_conversations(spec, limit=num_conversations or None, image_root=root)
+
+    conversations = [conv for spec in data_specs(data) for conv in conversations_of(spec)]
     train_convs, validation_convs = split_conversations(conversations, validation_fraction, seed)
     if regenerate != "none":
         images = any(conv.image is not None for conv in train_convs)

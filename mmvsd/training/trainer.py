@@ -328,8 +328,9 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
     resume_from = check_output(out_dir, resume)
     if resume_from is not None:
         check_resume_config(resume_from, config)
+    read = None  # the dataset files, read once: checked here, rendered after the target loads
     if config.features == "online":
-        check_dataset_exists(config.data, config.image_root, config.num_conversations)
+        read = check_dataset_exists(config.data, config.image_root, config.num_conversations)
     check_init(config)
     accelerator, split = _accelerator(config, out_dir)
     state = TrainState(num_processes=split.num_processes, global_batch=split.global_size)
@@ -341,7 +342,7 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
         target = load_target(config.target, dtype=TARGET_DTYPES[config.target_dtype])
     target.model.to(accelerator.device)
     monitor = _tau_monitor(config, target, accelerator)
-    source = _training_source(config, target, out_dir)
+    source = _training_source(config, target, out_dir, read)
     split.check_fits(len(source))
     drafter = build_drafter(config, target, source.examples)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
@@ -518,25 +519,27 @@ def _skip_step(config: TrainConfig, optimizer, scheduler, state: TrainState) -> 
     return {"bad_steps": float(state.num_bad_steps)}
 
 
-def _training_source(config: TrainConfig, target: Target, out_dir: Path):
-    """Where batches come from: rendered examples with online capture, or the offline cache."""
+def _training_source(config: TrainConfig, target: Target, out_dir: Path, read: dict | None = None):
+    """Where batches come from: rendered examples with online capture (`read`: the dataset files as
+    `check_dataset_exists` read them), or the offline cache."""
     if config.features == "offline":
         cache = FeatureCache(config.feature_cache)
         check_cache_matches(cache, target, data_settings(config))
         return OfflineSource(cache, target.dtype)
-    split = config_examples(config, target)
+    split = config_examples(config, target, read)
     return OnlineSource(target, split.train, config.adapter)
 
 
-def config_examples(config: TrainConfig, target: Target) -> ExampleSplit:
-    """The examples a run with `config` trains on (the same for `mmvsd train` and `mmvsd prepare`)."""
+def config_examples(config: TrainConfig, target: Target, read: dict | None = None) -> ExampleSplit:
+    """The examples a run with `config` trains on (the same for `mmvsd train` and `mmvsd prepare`; `read`: the
+    dataset files already read by `check_dataset_exists`)."""
     return load_examples(
         target, config.data, num_conversations=config.num_conversations, max_length=config.max_length,
         validation_fraction=config.validation_fraction, seed=config.seed, regenerate=config.regenerate,
         regenerate_max_new_tokens=config.regenerate_max_new_tokens,
         regenerate_cache=Path(config.regenerate_cache) if config.regenerate_cache else None,
         regenerate_batch_size=config.regenerate_batch_size, progress=config.progress, adapter=config.adapter,
-        image_root=config.image_root,
+        image_root=config.image_root, read=read,
     )
 
 
