@@ -272,3 +272,17 @@ def test_a_run_trained_in_chunks_resumes_to_the_uninterrupted_weights(study, tmp
     strict = study.parse_args(common + ["--min-move", "10", "--out", str(tmp_path / "strict")])
     with pytest.raises(UserError, match="manipulation check: .* raise --lr"):
         study.train_run(strict, target, arm, 0, 2, tmp_path / "strict" / "runs" / "ce-steps-s0")
+
+
+def test_the_accept_metric_counts_are_the_evaluators_chain_sums(study, tiny_target, random_drafter):
+    from mmvsd.decoding.decode import as_prompts
+    from mmvsd.training.acceptance import expected_acceptance
+
+    gen = torch.Generator().manual_seed(3)
+    prompts = as_prompts([torch.randint(0, 128, (n,), generator=gen).tolist() for n in (4, 7, 5)])
+    sampled = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (9, 6, 8)]
+    totals, anchors = study.measure_counts(tiny_target, random_drafter, study.PromptSet("p", prompts, sampled=sampled),
+                                           None, 1.0, accept_depth=3, batch_size=2)
+    chains = expected_acceptance(tiny_target, random_drafter, prompts, sampled, depth=3)
+    assert totals == pytest.approx([c.total for c in chains]) and anchors == [c.anchors for c in chains]
+    assert anchors == [8, 5, 7]  # every continuation token after the first is an anchor's next-but-one token
