@@ -503,17 +503,15 @@ def eval_prompts(config: ControlConfig, language: MarkovLanguage, target) -> lis
 
 def make_eval_set(config: ControlConfig, language: MarkovLanguage, target, out: Path) -> EvalSet:
     """The held-out prompts and the target's greedy and T = 1 continuations (cached in OUT/eval/)."""
-    from mmvsd.decoding.decode import DecodeConfig, vanilla_generate
+    from mmvsd.decoding.decode import DecodeConfig, generate_each, vanilla_generate
 
     path = out / "eval" / f"prompts-{config.digest(*EVAL_KEYS)}.json"
     if path.is_file():
         return EvalSet(**json.loads(path.read_text()))
     prompts = eval_prompts(config, language, target)
     greedy = [r.output_ids for r in vanilla_generate(target, prompts, DecodeConfig(config.answer_tokens))]
-    sampled = []
-    for index, prompt in enumerate(prompts):
-        decode = DecodeConfig(config.answer_tokens, temperature=1.0, seed=eval_seed(config, index))
-        sampled.append(vanilla_generate(target, [prompt], decode)[0].output_ids)
+    decode = DecodeConfig(config.answer_tokens, temperature=1.0, seed=eval_seed(config, 0))  # prompt i: + i
+    sampled = [r.output_ids for r in generate_each(target, None, prompts, decode)]
     result = EvalSet(prompts, greedy, sampled)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(dataclasses.asdict(result)))
@@ -535,7 +533,7 @@ def chain_acceptance(target, drafter, prompts: list[list[int]], continuations: l
 def tree_decoding(target, drafter, eval_set: EvalSet, config: ControlConfig, temperature: float) -> list[dict]:
     """Per prompt: {"new": new tokens, "forwards": target forwards} of `speculative_generate` with the tree; at
     T = 0 each output must equal the target's greedy continuation (lossless), else RuntimeError."""
-    from mmvsd.decoding.decode import DecodeConfig, speculative_generate
+    from mmvsd.decoding.decode import DecodeConfig, generate_each, speculative_generate
     from mmvsd.decoding.tree import TreeShape
 
     shape = TreeShape.parse(config.tree)
@@ -550,11 +548,9 @@ def tree_decoding(target, drafter, eval_set: EvalSet, config: ControlConfig, tem
                 raise RuntimeError(f"prompt {index}: tree decoding at T = 0 differs from vanilla greedy decoding")
             results.append({"new": len(result.output_ids), "forwards": result.num_target_forwards})
         return results
-    for index, prompt in enumerate(eval_set.prompts):
-        decode = DecodeConfig(config.answer_tokens, temperature=temperature, tree=shape, seed=eval_seed(config, index))
-        result = speculative_generate(target, drafter, [prompt], decode)[0]
-        results.append({"new": len(result.output_ids), "forwards": result.num_target_forwards})
-    return results
+    decode = DecodeConfig(config.answer_tokens, temperature=temperature, tree=shape, seed=eval_seed(config, 0))
+    return [{"new": len(r.output_ids), "forwards": r.num_target_forwards}  # prompt i with eval_seed(config, i)
+            for r in generate_each(target, drafter, eval_set.prompts, decode)]
 
 
 def evaluate_drafter(config: ControlConfig, target, folder: Path, eval_set: EvalSet, out: Path, name: str) -> dict:

@@ -298,14 +298,13 @@ def measure_counts(target, drafter, prompt_set: PromptSet, shape, temperature: f
 
         report = evaluate_acceptance(target, drafter, prompt_set.prompts, prompt_set.continuations, shape, batch_size)
         return [p.new_tokens for p in report.prompts], [p.target_forwards for p in report.prompts]
-    from mmvsd.decoding.decode import DecodeConfig, speculative_generate
+    from mmvsd.decoding.decode import DecodeConfig, generate_each
 
     prompts = measured_prompts(prompt_set, temperature, sampled_limit)
     max_new = max(len(c) for c in prompt_set.continuations)
     new, forwards = [], []
-    for i, prompt in enumerate(prompts):  # one prompt per call, seed + i: a batch's rows would share one stream
-        config = DecodeConfig(max_new_tokens=max_new, temperature=temperature, tree=shape, seed=seed + i)
-        [result] = speculative_generate(target, drafter, [prompt], config)
+    config = DecodeConfig(max_new_tokens=max_new, temperature=temperature, tree=shape, seed=seed)
+    for result in generate_each(target, drafter, prompts, config):  # prompt i alone, seed + i
         new.append(len(result.output_ids))
         forwards.append(result.num_target_forwards)
     return new, forwards

@@ -155,7 +155,7 @@ def parse_draft_spec(spec: str) -> tuple[str, str]:
 
 def quant_applies(quant: str, target: Target) -> bool:
     """Whether a draft model next to `target` can run on `quant` weights here (a CPU, a dtype the kernel serves)."""
-    return (target.device.type == "cpu" and target.dtype in format_dtypes(quant)) and format_available(quant)
+    return target.device.type == "cpu" and target.dtype in format_dtypes(quant) and format_available(quant)
 
 
 def runnable_default(spec: str, target: Target) -> str:

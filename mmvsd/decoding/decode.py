@@ -7,7 +7,7 @@ accepts its own number of tokens per step and leaves the batch when it is finish
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -273,3 +273,15 @@ def _next_draft_inputs(tree_ids: Tensor, tree_features: Tensor, verdict) -> Draf
     rows = torch.arange(nodes.shape[0], device=nodes.device)
     following[rows, num_new - 1] = verdict.bonus_ids  # the bonus follows the last accepted node
     return DraftInputs(features, following, num_new)
+
+
+def generate_each(target: Target, drafter: Proposer | None, prompts: list[PromptLike],
+                  config: DecodeConfig) -> list[SequenceResult]:
+    """Each prompt decoded alone, prompt i with seed `config.seed + i` (vanilla without a drafter): at T > 0 the
+    rows of one call share the call's seed (per-request seeds), so their samples would be correlated."""
+    results = []
+    for i, prompt in enumerate(prompts):
+        alone = replace(config, seed=config.seed + i)
+        results += (vanilla_generate(target, [prompt], alone) if drafter is None
+                    else speculative_generate(target, drafter, [prompt], alone))
+    return results

@@ -28,7 +28,7 @@ from torch import Tensor
 from tqdm import tqdm
 
 from mmvsd.adapter_base import padded_embeds, span_ids
-from mmvsd.decoding.decode import DecodeConfig, PromptLike, as_prompts, vanilla_generate
+from mmvsd.decoding.decode import DecodeConfig, PromptLike, as_prompts, generate_each, vanilla_generate
 from mmvsd.decoding.draft_session import DraftSession
 from mmvsd.decoding.proposer import Proposer
 from mmvsd.decoding.tree import DraftTree, ShapePlan, TreeShape, build_dynamic_tree
@@ -136,9 +136,8 @@ def greedy_continuations(
     `temperature` > 0, prompt i alone with seed `seed + i` (a batch's rows would share one random stream, as
     decoding's per-request seeds do, and their samples would be correlated across prompts)."""
     if temperature > 0:
-        return [vanilla_generate(target, [prompt], DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature,
-                                                                seed=seed + i))[0].output_ids
-                for i, prompt in enumerate(prompts)]
+        config = DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        return [r.output_ids for r in generate_each(target, None, prompts, config)]
     config = DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
     out: list[list[int]] = []
     for start in range(0, len(prompts), batch_size):
