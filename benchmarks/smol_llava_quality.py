@@ -143,8 +143,9 @@ def main() -> None:
     groups["all"] = [r for r in rows if r["kind"] in OWN_KINDS]
     groups["easy-vqa"] = [r for r in rows if r["kind"] in EASY_VQA_KINDS]
     for kind, chosen in groups.items():
-        summary[kind] = {"n": len(chosen), **{mode: round(sum(r[f"{mode} right"] for r in chosen) / max(1, len(chosen)), 3)
-                                              for mode in ("image", "no image")}}
+        summary[kind] = {"n": len(chosen),
+                         **{mode: round(sum(r[f"{mode} right"] for r in chosen) / max(1, len(chosen)), 3)
+                            for mode in ("image", "no image")}}
     priors = question_prior_rates(easy_items)
     for kind, rate in priors.items():
         summary[kind]["question prior"] = rate

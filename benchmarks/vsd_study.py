@@ -247,7 +247,8 @@ def train_all(args: argparse.Namespace, target, arms: list[Arm]) -> list[dict]:
         steps = max(1, round(budget / seconds_per_step))
         for seed in range(args.seeds):
             same = [r for r in mine if r["seed"] == seed and r["steps"] == steps]  # that run is already trained
-            record = same[0] if same else train_run(args, target, arm, seed, steps, runs_dir / f"{arm.name}-wall-s{seed}")
+            record = same[0] if same else train_run(args, target, arm, seed, steps,
+                                                    runs_dir / f"{arm.name}-wall-s{seed}")
             runs.append({**record, "budget": "wall", "budget_seconds": budget, "seconds_per_step": seconds_per_step})
     return runs
 
@@ -427,7 +428,8 @@ def markdown_table(rows: list[dict], baseline: str) -> str:
               f"{cmp['diff']:+.3f} [{cmp['diff_ci95'][0]:+.3f}, {cmp['diff_ci95'][1]:+.3f}] | "
               f"{'met' if cmp['goal_met'] else 'not met'}") if cmp else "- | - | -"
         lines.append(f"| {metric_title(r['metric'])} | {r['prompts']} | {r['budget']} | {r['arm']} | {r['steps']} | "
-                     f"{r['tau']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] | {seeds} ({r['seed_std']:.3f}) | {vs} |")
+                     f"{r['tau']:.3f} [{r['ci95'][0]:.3f}, {r['ci95'][1]:.3f}] | "
+                     f"{seeds} ({r['seed_std']:.3f}) | {vs} |")
     return "\n".join(lines) + "\n"
 
 

@@ -1,1 +1,2 @@
-"""Shipped training configs (YAML) and the accelerate / DeepSpeed launch files, read by name (`--config smollm2_cpu`)."""
+"""Shipped training configs (YAML) and the accelerate / DeepSpeed launch files, read by name
+(`--config smollm2_cpu`)."""

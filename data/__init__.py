@@ -1,1 +1,2 @@
-"""Training and benchmark data: conversation readers, rendering, on-policy regeneration, synthetic images, MT-Bench and GSM8K files."""
+"""Training and benchmark data: conversation readers, rendering, on-policy regeneration, synthetic images,
+MT-Bench and GSM8K files."""

@@ -77,7 +77,8 @@ class Eagle1Layout(Layout):
         check_fits_target(text, embeddings, target, path)
         config = self.drafter_class.config_class(
             **config_sizes(text), vocab_size=target.vocab_size, fc_bias="fc.bias" in state,
-            max_images=self.drafter_class.default_max_images, target_name=target.name, **self.extra_sizes(state, raw, path),
+            max_images=self.drafter_class.default_max_images, target_name=target.name,
+            **self.extra_sizes(state, raw, path),
         )
         drafter = self.drafter_class(config, target.input_embeddings, target.model.get_output_embeddings())
         check_shapes(state, drafter, path)
@@ -220,7 +221,8 @@ def check_fits_target(text: dict, embeddings: Tensor | None, target, path: Path)
         raise UserError(f"{path} does not fit target {target.name!r}: hidden size {hidden} != target's "
                         f"{target.hidden_size} (the drafter reads the target's hidden states)")
     if embeddings is not None and list(embeddings.shape) != [vocab, hidden]:
-        raise UserError(f"{path}: {EMBEDDINGS} has shape {list(embeddings.shape)}, config.json says [{vocab}, {hidden}]")
+        raise UserError(f"{path}: {EMBEDDINGS} has shape {list(embeddings.shape)}, "
+                        f"config.json says [{vocab}, {hidden}]")
     ours = target.input_embeddings.weight.detach()  # [V, H]
     same = embeddings is None or (vocab <= ours.shape[0] and same_rows(embeddings, ours[:vocab]))
     if vocab == target.vocab_size:

@@ -4,8 +4,9 @@ config.json: `architectures: ["LlamaForCausalLMEagle3"]`, Llama sizes of the one
 `vocab_size` (the target's), `draft_vocab_size`, `target_hidden_size`,
 `eagle_config.eagle_aux_hidden_state_layer_ids`, and, written explicitly because readers' defaults differ,
 `norm_before_residual: false` (our residual is the hidden state BEFORE hidden_norm, as EAGLE-3's own
-code; vLLM 0.32 reads the key as false when absent here, but true when absent in the speculators format) and `max_position_embeddings` at least the target's
-(vLLM caps the context at the draft's). Weights (no embeddings: they are the target's):
+code; vLLM 0.32 reads the key as false when absent here, but true when absent in the speculators format)
+and `max_position_embeddings` at least the target's (vLLM caps the context at the draft's). Weights (no
+embeddings: they are the target's):
     fc.weight [H, 3H]; midlayer.self_attn.{q,k,v}_proj.weight [*, 2H]; midlayer.self_attn.o_proj.weight;
     midlayer.mlp.{gate,up,down}_proj.weight; midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}
     .weight; norm.weight; lm_head.weight [Vd, H]; d2t [Vd] int64 offsets (draft id i is target id
@@ -91,7 +92,8 @@ class Eagle3Layout(Layout):
         """Our drafter from an EAGLE-3 config dict (research layout keys) and the folder's weights."""
         state = normalise_keys(read_tensors(path))
         if has_foreign_keys(set(state)) or not Eagle3Layout.detect(self, raw, set(state)):
-            raise NotThisLayout(f"{path} is not an EAGLE-3 checkpoint", raw, set(state), foreign_layout(set(state), raw))
+            raise NotThisLayout(f"{path} is not an EAGLE-3 checkpoint", raw, set(state),
+                                foreign_layout(set(state), raw))
         config = eagle3_config(raw, target, path)
         drafter = Eagle3Drafter(config, target.input_embeddings)
         state = complete_state(state, config, target, path)
@@ -356,7 +358,8 @@ def speculators_config(config: Eagle3Config, dtype: torch.dtype, target) -> dict
     research = released_config(config, dtype, target_positions(target))
     layer = {k: research[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                                       "head_dim", "hidden_act", "attention_bias", "mlp_bias", "rms_norm_eps",
-                                      "rope_parameters", "max_position_embeddings", "vocab_size", "tie_word_embeddings")}
+                                      "rope_parameters", "max_position_embeddings", "vocab_size",
+                                      "tie_word_embeddings")}
     layer.update(model_type="llama", architectures=["LlamaForCausalLM"], num_hidden_layers=1)
     verifier = verifier_folder(target)
     return {

@@ -55,7 +55,8 @@ class MSDDrafter(Eagle1Drafter):
     ) -> LayerInput:
         entry = self.draft_input(features, token_ids, attention_mask)  # one fc reads target features and own states
         if media is not None:
-            embeds = media.embeds if self.config.media_rms is None else rescaled_rms(media.embeds, self.config.media_rms)
+            embeds = (media.embeds if self.config.media_rms is None
+                      else rescaled_rms(media.embeds, self.config.media_rms))
             entry.x = torch.where(media.mask[..., None], embeds.to(entry.x.dtype), entry.x)
         return entry
 

@@ -189,7 +189,8 @@ class MmvsdLmms(lmms):
                 elif isinstance(visual, (str, Path)):
                     paths.append(Path(visual))
                 else:
-                    raise UserError(f"--model {MODEL_NAME} takes images (PIL or file paths), got {type(visual).__name__}")
+                    raise UserError(f"--model {MODEL_NAME} takes images (PIL or file paths), "
+                                    f"got {type(visual).__name__}")
             return self.image_adapter().encode(self.target, text, paths)
 
     def decode_config(self, gen_kwargs: dict[str, Any]) -> DecodeConfig:

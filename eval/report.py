@@ -143,7 +143,8 @@ def _mean(values: list) -> float | None:
 def _averages(rows: list[Row], methods: list[str]) -> list[Row]:
     out = []
     for temperature in sorted({r.temperature for r in rows}):
-        for method in sorted({r.method for r in rows if r.temperature == temperature}, key=lambda m: _order(methods, m)):
+        for method in sorted({r.method for r in rows if r.temperature == temperature},
+                             key=lambda m: _order(methods, m)):
             group = [r for r in rows if r.method == method and r.temperature == temperature]
             row = Row(temperature, method, AVERAGE, num_prompts=sum(r.num_prompts for r in group),
                       batch_size=max(r.batch_size for r in group))
@@ -216,7 +217,8 @@ def markdown_table(rows: list[Row], methods: list[str]) -> str:
                    "| T=0 mismatches | note |"), "|---|---|---|---|---|---|---|---|---|"]
         for r in block:
             lines.append(f"| {r.method} | {benchmark_label(block, r.benchmark)} | {r.batch_size} | "
-                         f"{r.tokens_per_second:.1f} | {_fmt(r.sr_vs_hf)} | {_fmt(r.sr_vs_pld)} | {_fmt(r.accuracy, 3)} "
+                         f"{r.tokens_per_second:.1f} | {_fmt(r.sr_vs_hf)} | {_fmt(r.sr_vs_pld)} | "
+                         f"{_fmt(r.accuracy, 3)} "
                          f"| {'-' if r.lossless_mismatches is None else r.lossless_mismatches} | {_note(r)} |")
         lines.append("")
     lines.append("tau: kept new tokens / target forwards, bonus token counted. Throughput: total new tokens / total "

@@ -39,7 +39,8 @@ def add_tree_arguments(p: argparse.ArgumentParser, default: str) -> None:
     """`--tree auto|BUDGET/DEPTH/TOPK` and the older `--tree-budget/--tree-depth/--tree-topk` (a fixed shape;
     unset parts take 60/7/10)."""
     p.add_argument("--tree", help=f"draft tree shape: 'auto' (planned per step from this machine's measured costs "
-                                  f"and the drafter's acceptance) or BUDGET/DEPTH/TOPK, e.g. 60/7/10 (default {default})")
+                                  f"and the drafter's acceptance) or BUDGET/DEPTH/TOPK, e.g. 60/7/10 "
+                                  f"(default {default})")
     p.add_argument("--tree-budget", type=_positive_int, help="fixed shape: tree nodes per verification, root included")
     p.add_argument("--tree-depth", type=_positive_int, help="fixed shape: maximum depth")
     p.add_argument("--tree-topk", type=_positive_int, help="fixed shape: children per expanded node")
@@ -55,7 +56,8 @@ def tree_from_args(args: argparse.Namespace):
         raise UserError("--tree and --tree-budget/--tree-depth/--tree-topk are two ways to say one thing: give one")
     if any(v is not None for v in parts):
         default = TreeShape()
-        return TreeShape(*(v if v is not None else d for v, d in zip(parts, (default.budget, default.depth, default.topk))))
+        return TreeShape(*(v if v is not None else d
+                           for v, d in zip(parts, (default.budget, default.depth, default.topk))))
     text = args.tree if args.tree is not None else args.tree_default
     if text == "auto":
         return "auto"
@@ -189,7 +191,8 @@ def _add_lab(sub: argparse._SubParsersAction) -> None:
                    help="images of one large shape on a plain background in the generator's colours (default 800)")
     b.add_argument("--align-steps", type=int, default=800, help="steps of the first stage (per-patch word targets)")
     b.add_argument("--lora-rank", type=int, default=8,
-                   help="rank of the language model's low-rank adapters trained in the second stage (0: projector only)")
+                   help="rank of the language model's low-rank adapters trained in the second stage "
+                        "(0: projector only)")
     b.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
                    help="second-stage compute type (auto: bf16 where this CPU measures it faster)")
     b.add_argument("--seed", type=int, default=0)
@@ -321,7 +324,8 @@ def run_eval_drafter(args: argparse.Namespace) -> None:
         raise UserError("--drafter none drafts nothing: there is no acceptance to measure")
     target = load_target(args.target, *placement(args.device, args.dtype))
     drafter = drafter_from_spec(spec, target, args.seed, ngram=args.ngram)
-    if shape == "auto":  # the trees auto plans from this machine's costs; its speed guard's plain steps are not replayed
+    # the trees auto plans from this machine's costs; its speed guard's plain steps are not replayed
+    if shape == "auto":
         from mmvsd.decoding.cost_cache import load_cost_table  # CLI start-up: loaded per command
         from mmvsd.decoding.shape_policy import AcceptanceStats, AutoShape  # CLI start-up: loaded per command
 

@@ -1,4 +1,5 @@
-"""Files: atomic writes (results appear whole under their final name, or not at all), checksums, the mmvsd cache folder."""
+"""Files: atomic writes (results appear whole under their final name, or not at all), checksums,
+the mmvsd cache folder."""
 
 from __future__ import annotations
 

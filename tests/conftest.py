@@ -91,7 +91,8 @@ def no_deprecation_is_logged():
 
 def load_benchmark_script(name: str):
     """benchmarks/NAME.py as a module (registered under NAME: dataclasses look their module up while it runs)."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(
+        name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
@@ -118,7 +119,8 @@ def make_tiny_llama(seed: int = 0, vocab: int = TINY_VOCAB, attn: str = "sdpa") 
     return LlamaForCausalLM(config).eval()
 
 
-def random_prompts(num: int, seed: int, min_len: int = 3, max_len: int = 12, vocab: int = TINY_VOCAB) -> list[list[int]]:
+def random_prompts(num: int, seed: int, min_len: int = 3, max_len: int = 12,
+                   vocab: int = TINY_VOCAB) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(min_len, max_len + 1, (num,), generator=gen).tolist()
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
@@ -176,7 +178,8 @@ def fit_drafter_to_target(
     for _ in range(steps):
         hiddens = unroll_draft_steps(drafter, features, next_ids, num_steps)
         loss = sum(
-            torch.nn.functional.cross_entropy(drafter.draft_logits(h).flatten(0, 1), shifted(labels, i + 2, -100).flatten())
+            torch.nn.functional.cross_entropy(drafter.draft_logits(h).flatten(0, 1),
+                                              shifted(labels, i + 2, -100).flatten())
             for i, h in enumerate(hiddens)
         )
         optim.zero_grad()

@@ -38,7 +38,8 @@ def test_llava_adapter_matches_transformers_image_features(llava_target, llava_d
         expected = llava_target.model.model.get_image_features(
             pixel_values=inputs["pixel_values"], vision_feature_layer=config.vision_feature_layer,
             vision_feature_select_strategy=config.vision_feature_select_strategy).pooler_output
-    assert [s.start for s in prompt.spans] == [1, 17]  # adjacent images: one run of 32, cut in two and all(s.length == 16 for s in prompt.spans)
+    # adjacent images: one run of 32, cut in two
+    assert [s.start for s in prompt.spans] == [1, 17] and all(s.length == 16 for s in prompt.spans)
     for span, features in zip(prompt.spans, expected):
         assert torch.allclose(span.projected, features, atol=1e-6)
         assert torch.allclose(prompt.inputs_embeds[span.start:span.start + 16], features, atol=1e-6)

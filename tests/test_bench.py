@@ -161,7 +161,8 @@ def test_mllm_suite_runs_the_offline_tasks_through_lmms_eval(llava_dir, tmp_path
     tasks = {r["benchmark"] for r in rows} - {"average"}
     assert tasks == {f"{name}_mini_long" for name in ("vqav2_val", "ai2d", "chartqa", "textvqa_val", "scienceqa_img",
                                                       "hallusion_bench_image")}  # no real dataset here
-    assert all(r["lossless_mismatches"] == 0 for r in rows if r["method"] == "tree:random" and r["benchmark"] != "average")
+    assert all(r["lossless_mismatches"] == 0
+               for r in rows if r["method"] == "tree:random" and r["benchmark"] != "average")
     assert all(r["synthetic"] for r in rows)
     assert "(synthetic)" in (out / "table.md").read_text()
     assert all(r["accuracy"] is not None for r in rows if r["method"] != "pld")  # lmms-eval's process_results

@@ -380,4 +380,5 @@ def test_a_dataset_file_with_a_plus_in_its_path_is_one_spec_not_a_mixture(tmp_pa
     assert data_specs(str(folder / "data.jsonl")) == [str(folder / "data.jsonl")]
     assert data_specs(f"sharegpt:{folder / 'data.jsonl'}") == [f"sharegpt:{folder / 'data.jsonl'}"]
     assert data_specs(f"{tmp_path / 'a.jsonl'}+sharegpt") == [str(tmp_path / "a.jsonl"), "sharegpt"]
-    assert data_specs(f"{folder}/missing.jsonl") == [str(tmp_path / "ce"), "vsd/missing.jsonl"]  # no such file: a mixture
+    # no such file: a mixture
+    assert data_specs(f"{folder}/missing.jsonl") == [str(tmp_path / "ce"), "vsd/missing.jsonl"]

@@ -110,8 +110,9 @@ class FakeMeasure:
 
     def __call__(self, target, drafter=None, batch_sizes=(1,), context=256, progress=False, **_):
         self.calls += 1
-        return CostTable(cost_key(target, drafter, batch_sizes, context), (1, 2), {b: (0.01, 0.015) for b in batch_sizes},
-                         (), {b: () for b in batch_sizes}, {b: 0.0 for b in batch_sizes}, context)
+        return CostTable(cost_key(target, drafter, batch_sizes, context), (1, 2),
+                         {b: (0.01, 0.015) for b in batch_sizes}, (), {b: () for b in batch_sizes},
+                         {b: 0.0 for b in batch_sizes}, context)
 
 
 @pytest.fixture()

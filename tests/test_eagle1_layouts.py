@@ -32,8 +32,10 @@ DRAFTERS = {"msd": MSDDrafter, "vispec": ViSpecDrafter}
 # weight names and shapes of the released checkpoints (written out here, not taken from our code)
 EAGLE1_SHAPES = {
     "fc.weight": (H, 2 * H), "fc.bias": (H,),
-    "layers.0.self_attn.q_proj.weight": (HEADS * HEAD_DIM, H), "layers.0.self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, H),
-    "layers.0.self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, H), "layers.0.self_attn.o_proj.weight": (H, HEADS * HEAD_DIM),
+    "layers.0.self_attn.q_proj.weight": (HEADS * HEAD_DIM, H),
+    "layers.0.self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, H),
+    "layers.0.self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, H),
+    "layers.0.self_attn.o_proj.weight": (H, HEADS * HEAD_DIM),
     "layers.0.mlp.gate_proj.weight": (INTER, H), "layers.0.mlp.up_proj.weight": (INTER, H),
     "layers.0.mlp.down_proj.weight": (H, INTER), "layers.0.post_attention_layernorm.weight": (H,),
 }

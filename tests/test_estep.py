@@ -105,7 +105,8 @@ def test_target_rollouts_sample_the_draft_vocab_and_score_like_naive(tiny_target
             assert greedy.token_ids[b, a, 0].tolist() == seq[t + 2 :].tolist()
             for s in range(5):
                 path = corrections.token_ids[b, a, s]
-                ref = full_logprobs(tiny_target, torch.cat([prefix, path[:-1]]))[t + 1 :].gather(-1, path[:, None])[:, 0]
+                ref = (full_logprobs(tiny_target, torch.cat([prefix, path[:-1]]))[t + 1 :]
+                       .gather(-1, path[:, None])[:, 0])
                 torch.testing.assert_close(corrections.target_logprobs[b, a, s], ref, atol=2e-5, rtol=1e-4)
 
 
@@ -186,7 +187,8 @@ def test_m_step_switches_change_only_the_correction_term(use_arw, use_car):
     gen = torch.Generator().manual_seed(1)
     shape = (2, 4, 3)
     paths = EStepPaths(*(-torch.rand(*shape, generator=gen) for _ in range(4)),
-                       greedy_target_lps=-torch.rand(2, 3, generator=gen), greedy_draft_lps=-torch.rand(2, 3, generator=gen),
+                       greedy_target_lps=-torch.rand(2, 3, generator=gen),
+                       greedy_draft_lps=-torch.rand(2, 3, generator=gen),
                        mask=torch.ones(shape, dtype=torch.bool), step0_hidden=torch.zeros(1))
     loss, _ = vsd_m_step(paths, ObjectiveConfig(use_arw=use_arw, use_car=use_car))
     basic, _ = vsd_m_step(paths, ObjectiveConfig(use_arw=False))
@@ -277,8 +279,10 @@ def test_run_estep_equals_naive_loops(tiny_target, zbar_vocab):
             assert paths.greedy_ids[row].tolist() == greedy.tolist()
             num_greedy_outside += int((~in_vocab[greedy]).sum())
             close = {"atol": 2e-5, "rtol": 1e-4}
-            torch.testing.assert_close(paths.greedy_target_lps[row], naive_target_logprobs(tiny_target, prefix, greedy), **close)
-            torch.testing.assert_close(paths.greedy_draft_lps[row], naive_draft_logprobs(drafter, batch, b, t, greedy), **close)
+            torch.testing.assert_close(paths.greedy_target_lps[row],
+                                       naive_target_logprobs(tiny_target, prefix, greedy), **close)
+            torch.testing.assert_close(paths.greedy_draft_lps[row],
+                                       naive_draft_logprobs(drafter, batch, b, t, greedy), **close)
             for s in range(num_samples):
                 for kind in ("proposal", "correction"):
                     ids = getattr(paths, f"{kind}_ids")[row, s]
@@ -292,7 +296,8 @@ def test_run_estep_equals_naive_loops(tiny_target, zbar_vocab):
         assert num_greedy_outside > 0
         outside = ~in_vocab[paths.greedy_ids]
         assert torch.isinf(paths.greedy_draft_lps[outside]).all()
-        log_alpha = path_log_kappa(paths.greedy_target_lps, paths.greedy_draft_lps).diff(dim=-1, prepend=torch.zeros(4, 1))
+        log_alpha = path_log_kappa(paths.greedy_target_lps, paths.greedy_draft_lps).diff(
+            dim=-1, prepend=torch.zeros(4, 1))
         assert (log_alpha[outside] == 0).all() and torch.isfinite(log_alpha).all()
 
 
@@ -379,7 +384,8 @@ def tie_paths(with_ids: bool) -> EStepPaths:
     proposal_draft = greedy_draft[:, None].repeat(1, 3, 1) + 1e-6
     return EStepPaths(proposal_target, proposal_draft.requires_grad_(), proposal_target.clone(), proposal_draft.clone(),
                       greedy_target, greedy_draft, torch.ones(1, 3, 3, dtype=torch.bool), torch.zeros(1),
-                      proposal_ids=proposal_ids if with_ids else None, correction_ids=proposal_ids.flip(1) if with_ids else None,
+                      proposal_ids=proposal_ids if with_ids else None,
+                      correction_ids=proposal_ids.flip(1) if with_ids else None,
                       greedy_ids=greedy_ids if with_ids else None)
 
 

@@ -287,7 +287,8 @@ def test_eval_drafter_cli_takes_tree_auto(tiny_dir, tmp_path, capsys, monkeypatc
     monkeypatch.setenv("MMVSD_CACHE", str(tmp_path / "cache"))
     prompts = write_prompts(tmp_path / "p.jsonl", ["w1 w2 w3", "w9 w8"])
     code, out, err = run_cli(capsys, "eval-drafter", "--target", str(tiny_dir), "--drafter", "random", "--prompt-file",
-                             str(prompts), "--max-new-tokens", "12", "--tree", "auto", "--json", str(tmp_path / "a.json"))
+                             str(prompts), "--max-new-tokens", "12", "--tree", "auto", "--json",
+                             str(tmp_path / "a.json"))
     assert code == 0, err
     assert "tree auto" in out and "nodes per step" in out
     assert json.loads((tmp_path / "a.json").read_text())["tree"] == "auto"

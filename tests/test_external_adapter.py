@@ -32,7 +32,8 @@ def installed(tmp_path_factory) -> dict[str, str]:
 
 
 def mmvsd(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mmvsd.cli", *args], capture_output=True, text=True, env=env, check=False)
+    return subprocess.run([sys.executable, "-m", "mmvsd.cli", *args], capture_output=True, text=True, env=env,
+                          check=False)
 
 
 def test_entry_point_adapter_is_listed(installed):

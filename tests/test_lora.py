@@ -45,7 +45,8 @@ def test_every_target_linear_is_wrapped_and_merging_keeps_outputs():
 
 
 def test_adapter_for_another_model_is_refused():
-    factors = {"lora.layers.0.self_attn.q_proj.a": torch.zeros(2, 16), "lora.layers.0.self_attn.q_proj.b": torch.zeros(5, 2)}
+    factors = {"lora.layers.0.self_attn.q_proj.a": torch.zeros(2, 16),
+               "lora.layers.0.self_attn.q_proj.b": torch.zeros(5, 2)}
     with pytest.raises(ValueError, match="does not fit"):
         apply_lora_state(tiny_lm().model, factors)
     with pytest.raises(ValueError, match="does not fit"):

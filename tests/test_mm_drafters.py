@@ -323,15 +323,16 @@ def test_cli_trains_vispec_on_images_and_decodes_with_an_image(llava_dir, llava_
                  "--output", str(out), "max_steps=2", "batch_size=2", "progress=false", "validation_fraction=0",
                  "loss.ttt_steps=2"])
     assert code == 0
-    code = main(["generate", "--target", str(llava_dir), "--drafter", str(out), "--image", str(tmp_path / "train-1.png"),
-                 "--prompt", "w5 w6", "--max-new-tokens", "8"])
+    code = main(["generate", "--target", str(llava_dir), "--drafter", str(out), "--image",
+                 str(tmp_path / "train-1.png"), "--prompt", "w5 w6", "--max-new-tokens", "8"])
     assert code == 0
 
 
 def test_cli_refuses_more_images_than_the_drafter_takes(fitted, mild_llava, llava_dir, tmp_path, capsys):
     fitted["msd"].save_pretrained(tmp_path / "msd")
     code = main(["generate", "--target", str(mild_llava[0]), "--drafter", str(tmp_path / "msd"), "--image",
-                 str(llava_dir / "a.png"), "--image", str(llava_dir / "b.png"), "--prompt", "w5", "--max-new-tokens", "4"])
+                 str(llava_dir / "a.png"), "--image", str(llava_dir / "b.png"), "--prompt", "w5",
+                 "--max-new-tokens", "4"])
     assert code == 2
     assert "takes at most 1" in capsys.readouterr().err
 
@@ -355,7 +356,8 @@ def test_shipped_mllm_config_is_the_papers():
     from mmvsd.training.config import load_train_config
 
     config = load_train_config("llava_vispec_paper", {"target": "llava-1.5-13b", "init": "vispec", "output": "o"}, [])
-    assert (config.drafter, config.objective, config.num_conversations, config.epochs) == ("vispec", "ce+vsd", 68000, 40)
+    assert (config.drafter, config.objective, config.num_conversations, config.epochs) == (
+        "vispec", "ce+vsd", 68000, 40)
     assert (config.learning_rate, config.loss.num_samples, config.loss.path_length) == (5e-6, 40, 7)
 
 

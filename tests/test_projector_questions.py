@@ -117,6 +117,7 @@ def test_patch_targets_sum_colour_kind_and_side_at_the_given_norm():
     assert torch.allclose(targets[0], expected * 3.0 / expected.norm())
     last = PATCH_GRID * PATCH_GRID - 1
     assert torch.allclose(targets[last], vectors[BACKGROUND_WORD] * 3.0 / vectors[BACKGROUND_WORD].norm())
-    shifted = patch_targets(patch_words([{**shapes[1], "x": 336 - 24}]), vectors, norm=3.0)[PATCH_GRID - 1]  # top-right patch
+    # top-right patch
+    shifted = patch_targets(patch_words([{**shapes[1], "x": 336 - 24}]), vectors, norm=3.0)[PATCH_GRID - 1]
     expected = vectors["blue"] + vectors["square"] + vectors["right"]
     assert torch.allclose(shifted, expected * 3.0 / expected.norm())

@@ -20,7 +20,8 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: f
     obs = torch.cat([counts[big], counts[~big].sum()[None]]).double()
     exp = torch.cat([expected[big], expected[~big].sum()[None]]).double()
     keep = exp > 0
-    return float(chisquare(obs[keep].numpy(), exp[keep].numpy() * obs[keep].sum().item() / exp[keep].sum().item()).pvalue)
+    return float(chisquare(obs[keep].numpy(),
+                           exp[keep].numpy() * obs[keep].sum().item() / exp[keep].sum().item()).pvalue)
 
 
 def toy_tree(batch: int) -> DraftTree:

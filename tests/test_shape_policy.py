@@ -94,7 +94,8 @@ def tree_rate(tree, accept_by_rank, costs, batch=1):
     parents_by_depth = {}
     for node in tree:
         parents_by_depth.setdefault(len(node), set()).add(node[:-1])
-    draft = costs.draft_fixed(batch) + sum(costs.draft_expand(len(p), batch) for d, p in parents_by_depth.items() if d > 1)
+    draft = costs.draft_fixed(batch) + sum(costs.draft_expand(len(p), batch)
+                                           for d, p in parents_by_depth.items() if d > 1)
     if not tree:
         return batch / costs.target_step(1, batch)
     return batch * tokens / (costs.target_step(len(tree) + 1, batch) + draft)
@@ -345,7 +346,8 @@ def test_light_plan_keeps_its_own_statistics_and_carries_them():
 # the brute-force reference the shape policy is tested against (test-only code)
 
 
-def best_static_tree(accept_by_rank: Tensor, costs: StepCosts, max_nodes: int, batch: int = 1) -> tuple[list[int], float]:
+def best_static_tree(accept_by_rank: Tensor, costs: StepCosts, max_nodes: int,
+                     batch: int = 1) -> tuple[list[int], float]:
     """The best fixed tree for a (rank -> acceptance) model: parents list (node i+1's parent, 0 = root)
     and its expected tokens per second (Sequoia's question, on measured costs).
 

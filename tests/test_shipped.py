@@ -85,7 +85,8 @@ def test_default_resolves_per_target(root, trained_folder):
     ship(trained_folder, "eagle3-ce", "tiny-llama")
     ship(trained_folder, "eagle3-vsd", "other-target")
     assert shipped.resolve_drafter("default", "tiny-llama") == root / "tiny-llama" / "eagle3-ce"  # its only one
-    with pytest.raises(UserError, match=r"'third' has no shipped drafter \(targets with one: other-target, tiny-llama\)"):
+    with pytest.raises(UserError,
+                       match=r"'third' has no shipped drafter \(targets with one: other-target, tiny-llama\)"):
         shipped.resolve_drafter("default", "third")
     with pytest.raises(UserError, match=r"shipped for it: eagle3-ce; 'eagle3-vsd' ships for other-target"):
         shipped.resolve_drafter("eagle3-vsd", "tiny-llama")
@@ -151,5 +152,6 @@ def test_the_listing_names_benchmarks_and_says_shared_conditions_once():
     tau = {"mt_bench_80_first_turns_256_tokens_60/7/10_T0": 1.99, "gsm8k_80_first_turns_256_tokens_60/7/10_T0": 2.12}
     assert shipped._tau_text(tau) == "mt_bench 1.99, gsm8k 2.12 (80 first turns each; 256 tokens, tree 60/7/10, T0)"
     mixed = {"chartqa_mini_long_30_prompts_256_tokens_60/5/8_T0": 3.84, "all_six_tasks_180_prompts": 3.77}
-    assert shipped._tau_text(mixed) == "chartqa_mini_long 3.84 (30), all_six_tasks 3.77 (180) (256 tokens, tree 60/5/8, T0)"
+    assert shipped._tau_text(mixed) == ("chartqa_mini_long 3.84 (30), all_six_tasks 3.77 (180) "
+                                        "(256 tokens, tree 60/5/8, T0)")
     assert shipped._tau_text({"custom key": "pending"}) == "custom key pending" and shipped._tau_text(1.234) == "1.23"

@@ -292,7 +292,8 @@ def test_shipped_smol_llava_drafters_decode_image_prompts_losslessly(monkeypatch
     drafter = drafter_from_spec(name, target, ngram=False)
     assert drafter.drafter_type == {"default": "vispec", "msd-ce": "msd"}[name]
     decoded = speculative_generate(target, drafter, prompts, DecodeConfig(64, tree=TreeShape(60, 5, 8)))
-    assert [r.output_ids for r in decoded] == [r.output_ids for r in vanilla_generate(target, prompts, DecodeConfig(64))]
+    assert [r.output_ids for r in decoded] == [
+        r.output_ids for r in vanilla_generate(target, prompts, DecodeConfig(64))]
     tau = sum(len(r.output_ids) for r in decoded) / sum(r.num_target_forwards for r in decoded)
     assert tau > 2.5
 

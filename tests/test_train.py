@@ -24,8 +24,9 @@ TINY = ["draft_vocab_size=64", "batch_size=2", "loss.num_samples=4", "loss.num_a
 def write_sharegpt(path: Path, num: int = 10, seed: int = 0) -> Path:
     rng = random.Random(seed)
     words = lambda n: " ".join(f"w{rng.randrange(4, 120)}" for _ in range(n))
-    records = [{"id": str(i), "conversations": [{"from": "human", "value": words(4)}, {"from": "gpt", "value": words(10)},
-                                                {"from": "human", "value": words(3)}, {"from": "gpt", "value": words(8)}]}
+    records = [{"id": str(i),
+                "conversations": [{"from": "human", "value": words(4)}, {"from": "gpt", "value": words(10)},
+                                  {"from": "human", "value": words(3)}, {"from": "gpt", "value": words(8)}]}
                for i in range(num)]
     path.write_text(json.dumps(records))
     return path
@@ -51,7 +52,8 @@ def test_two_step_train_then_generate(setup, tmp_path, capsys, objective):
     assert {"config.json", "model.safetensors", "train_config.yaml"} <= {p.name for p in out.iterdir()}
     assert (out / "checkpoints" / "step-0000002" / "trainer_state.json").is_file()
     assert list((out / "logs").rglob("events.out.tfevents*"))
-    code = main(["generate", "--target", str(target), "--drafter", str(out), "--prompt", "w5 w6", "--max-new-tokens", "8"])
+    code = main(["generate", "--target", str(target), "--drafter", str(out), "--prompt", "w5 w6",
+                 "--max-new-tokens", "8"])
     assert code == 0
 
 
@@ -207,7 +209,8 @@ def test_bad_input_is_one_clear_error(setup, tmp_path, capsys):
 def test_config_resolution_order(tmp_path):
     yaml_file = tmp_path / "run.yaml"
     yaml_file.write_text("target: a\noutput: o\nlearning_rate: 0.5\nloss:\n  num_samples: 9\n  use_car: false\n")
-    config = load_train_config(str(yaml_file), {"target": "b", "objective": None}, ["loss.num_samples=3", "epochs=2", "learning_rate=1e-4"])
+    config = load_train_config(str(yaml_file), {"target": "b", "objective": None},
+                               ["loss.num_samples=3", "epochs=2", "learning_rate=1e-4"])
     assert (config.target, config.learning_rate, config.epochs) == ("b", 1e-4, 2.0)
     assert (config.loss.num_samples, config.loss.use_car, config.loss.path_length) == (3, False, 7)
     shipped = load_train_config("smollm2_cpu", {"output": "o"}, [])

@@ -83,7 +83,8 @@ def test_dynamic_tree_scores_are_cumulative_and_top_ranked():
         assert abs(score - float(tree.draft_logprobs[0, i])) < 1e-5
     brute = all_paths_brute(expander.root_lp[0], expander.table[0], 2)
     best_depth_le2 = sorted((s for _, s in brute), reverse=True)[:11]
-    kept_le2 = sorted((float(s) for s, d in zip(tree.draft_logprobs[0, 1:], tree.depths[0, 1:]) if d <= 2), reverse=True)
+    kept_le2 = sorted((float(s) for s, d in zip(tree.draft_logprobs[0, 1:], tree.depths[0, 1:]) if d <= 2),
+                      reverse=True)
     # every kept node of depth <= 2 is among the best paths of depth <= 2
     assert all(any(abs(k - b) < 1e-6 for b in best_depth_le2) for k in kept_le2)
 

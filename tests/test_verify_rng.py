@@ -40,7 +40,8 @@ def test_per_row_generators_make_a_row_independent_of_its_batch_mates():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
     alone = sample_next(logits[1:2], 1.0, row_generators([[1]], 7))
     for _ in range(5):  # whatever the other rows are, row 1 draws from its own generator
-        batch = sample_next(torch.cat([torch.randn(1, 50), logits[1:2], torch.randn(1, 50)]), 1.0, row_generators([[0], [1], [2]], 7))
+        batch = sample_next(torch.cat([torch.randn(1, 50), logits[1:2], torch.randn(1, 50)]), 1.0,
+                            row_generators([[0], [1], [2]], 7))
         assert batch[1] == alone[0]
 
 

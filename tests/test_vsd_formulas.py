@@ -334,10 +334,12 @@ def toy_e_step(target_logprobs: torch.Tensor, draft_logits: torch.Tensor, num_an
     proposal_ids, correction_ids = draw(draft_logprobs), draw(target_logprobs)
     greedy_ids = target_logprobs.argmax(-1).expand(num_anchors, -1)  # z_bar from p_theta^(1)
     return EStepPaths(
-        proposal_target_lps=target_logprobs[steps, proposal_ids], proposal_draft_lps=draft_logprobs[steps, proposal_ids],
+        proposal_target_lps=target_logprobs[steps, proposal_ids],
+        proposal_draft_lps=draft_logprobs[steps, proposal_ids],
         correction_target_lps=target_logprobs[steps, correction_ids],
         correction_draft_lps=draft_logprobs[steps, correction_ids],
-        greedy_target_lps=target_logprobs[steps, greedy_ids], greedy_draft_lps=draft_logprobs[steps, greedy_ids].detach(),
+        greedy_target_lps=target_logprobs[steps, greedy_ids],
+        greedy_draft_lps=draft_logprobs[steps, greedy_ids].detach(),
         mask=torch.ones(num_anchors, num_samples, num_lengths, dtype=torch.bool), step0_hidden=torch.zeros(1),
         proposal_ids=proposal_ids, correction_ids=correction_ids, greedy_ids=greedy_ids,
     )
@@ -370,7 +372,8 @@ def reference_m_step_loss(paths: EStepPaths, config: ObjectiveConfig) -> torch.T
             proposal_lp = [paths.proposal_draft_lps[a, s, : l + 1].sum() for s in range(num_samples)]
             final_lp = [proposal_lp[s] if o_tilde[s] > 0 else paths.correction_draft_lps[a, s, : l + 1].sum()
                         for s in range(num_samples)]
-            confidence = [float(lp.detach()) if config.car_scale == "log" else float(lp.detach().exp()) for lp in proposal_lp]
+            confidence = [float(lp.detach()) if config.car_scale == "log" else float(lp.detach().exp())
+                          for lp in proposal_lp]
             scores = [np.exp(c / config.car_temperature) for c in confidence]
             for s in range(num_samples):
                 den = sum(o_final[j] for j in range(num_samples) if j != s)

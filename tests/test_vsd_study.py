@@ -71,7 +71,8 @@ def test_seed_spread_and_table(study):
     summary = study.summarise_arm(new, np.ones((3, 2)) * 2, study.prompt_resamples(2, 200, seed=0))
     assert summary["seed_taus"] == pytest.approx([2.5, 3.0, 3.5]) and summary["seed_std"] == pytest.approx(0.5)
     row = {"metric": "0", "prompts": "all", "budget": "steps", "arm": "recipe", "steps": 10, **summary,
-           "vs_baseline": {"ratio": 1.1, "ratio_ci95": [1.0, 1.2], "diff": 0.3, "diff_ci95": [0.1, 0.5], "goal_met": True}}
+           "vs_baseline": {"ratio": 1.1, "ratio_ci95": [1.0, 1.2], "diff": 0.3, "diff_ci95": [0.1, 0.5],
+                           "goal_met": True}}
     table = study.markdown_table([row], "ce")
     assert "| tau T=0 | all | steps | recipe | 10 | 3.000 [" in table
     assert "1.100 [1.000, 1.200]" in table and "| met |" in table
@@ -79,7 +80,8 @@ def test_seed_spread_and_table(study):
 
 def test_arm_specs_and_bad_arguments(study):
     arm = study.parse_arm("recipe-b=ce+vsd:loss.ce_weight=1.0,loss.vsd_weight=0.1")
-    assert (arm.name, arm.objective, arm.overrides) == ("recipe-b", "ce+vsd", ["loss.ce_weight=1.0", "loss.vsd_weight=0.1"])
+    assert (arm.name, arm.objective, arm.overrides) == ("recipe-b", "ce+vsd",
+                                                        ["loss.ce_weight=1.0", "loss.vsd_weight=0.1"])
     assert study.parse_arm("ce=ce").overrides == []
     with pytest.raises(UserError, match="NAME=OBJECTIVE"):
         study.parse_arm("recipe")

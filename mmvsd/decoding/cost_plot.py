@@ -27,7 +27,8 @@ def plot_cost_table(table: CostTable, out_path: str | Path) -> None:
     if table.draft_widths:
         right = axes[0][1]
         for batch, seconds in sorted(table.draft_seconds.items()):
-            line, = right.plot(table.draft_widths, [s * 1e3 for s in seconds], marker="o", label=f"expand, batch {batch}")
+            line, = right.plot(table.draft_widths, [s * 1e3 for s in seconds], marker="o",
+                               label=f"expand, batch {batch}")
             right.axhline(table.draft_fixed(batch) * 1e3, color=line.get_color(), linestyle="--",
                           label=f"fixed per step, batch {batch}")
         right.set(xlabel="frontier width W", ylabel="ms per call", ylim=(0, None),

@@ -21,7 +21,8 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base = base
         self.scale = alpha / rank
-        self.lora_a = nn.Parameter(torch.randn(rank, base.in_features, generator=generator) / math.sqrt(base.in_features))
+        self.lora_a = nn.Parameter(
+            torch.randn(rank, base.in_features, generator=generator) / math.sqrt(base.in_features))
         self.lora_b = nn.Parameter(torch.zeros(base.out_features, rank))
 
     def forward(self, x: Tensor) -> Tensor:

@@ -396,7 +396,8 @@ def _continuation_choices(seq_ids: Tensor, root_pos: Tensor, tree: DraftTree, se
     return torch.where(pos < seq_lens[:, None], ids, torch.full_like(ids, -1))
 
 
-def _accepted_pairs(seq_ids: Tensor, features: Tensor, root_pos: Tensor, num_accepted: Tensor, width: int) -> DraftInputs:
+def _accepted_pairs(seq_ids: Tensor, features: Tensor, root_pos: Tensor, num_accepted: Tensor,
+                    width: int) -> DraftInputs:
     """Pairs decoding feeds after a step: features at root..last accepted, each with the next token."""
     num_new = num_accepted + 1  # [B]
     pos = root_pos[:, None] + torch.arange(int(num_new.max()), device=seq_ids.device)[None, :]  # [B, A]

@@ -283,7 +283,8 @@ def _pad_tries(rows: list[tuple[list[int], ...]], node_of: Tensor, device: torch
     ancestors = torch.eye(width, dtype=torch.bool).repeat(batch_size, 1, 1)
     for b, (ids, parents, node_depths, lens) in enumerate(rows):
         n = len(ids)
-        token_ids[b, :n], depths[b, :n], past_lens[b, :n] = torch.tensor(ids), torch.tensor(node_depths), torch.tensor(lens)
+        token_ids[b, :n], depths[b, :n], past_lens[b, :n] = (torch.tensor(ids), torch.tensor(node_depths),
+                                                             torch.tensor(lens))
         for node, parent in enumerate(parents):  # parents come before children
             if parent >= 0:
                 ancestors[b, node] |= ancestors[b, parent]

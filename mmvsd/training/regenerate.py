@@ -188,7 +188,8 @@ def read_cache(cache_path: Path, key: dict[str, Any]) -> dict[ConvKey, dict[str,
         lines = complete.decode("utf-8").splitlines()
     except UnicodeDecodeError:
         lines = None
-    if lines is None or (tail and not _LINE_START.startswith(tail[: len(_LINE_START)])):  # never cut a file that is not ours
+    # never cut a file that is not ours
+    if lines is None or (tail and not _LINE_START.startswith(tail[: len(_LINE_START)])):
         raise UserError(f"{cache_path} is not a regeneration cache; delete it or pick another cache path")
     records = {}
     for number, line in enumerate(lines, start=1):

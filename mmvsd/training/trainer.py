@@ -515,7 +515,8 @@ def _skip_step(config: TrainConfig, optimizer, scheduler, state: TrainState) -> 
     logger.warning("step %d: non-finite loss, step skipped (%d so far)", state.step + 1, state.num_bad_steps)
     if state.num_bad_steps > config.max_bad_steps:
         raise UserError(f"{state.num_bad_steps} steps with a non-finite loss (limit max_bad_steps="
-                        f"{config.max_bad_steps}); the last checkpoint is intact. Lower learning_rate or use precision=fp32")
+                        f"{config.max_bad_steps}); the last checkpoint is intact. "
+                        "Lower learning_rate or use precision=fp32")
     return {"bad_steps": float(state.num_bad_steps)}
 
 
