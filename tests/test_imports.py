@@ -1,6 +1,6 @@
 """The package's import graph has no cycle (function-level imports included, typing-only ones not), every
-module says what it owns in its first line, no module is over 600 lines, and every function-level import
-says on its line why it is not at module level."""
+module says what it owns in its first line, no module is over 600 lines, every function-level import
+says on its line why it is not at module level, and no Python line is over pyproject's line length."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 # the top-level package folders, read from pyproject's `package-dir` (the one statement of the mapping)
-PACKAGES = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+PACKAGES = PYPROJECT["tool"]["setuptools"]["package-dir"]
 
 
 def package_modules() -> dict[str, Path]:
@@ -106,6 +107,15 @@ def test_module_says_what_it_owns_and_stays_small(name):
     docstring = ast.get_docstring(ast.parse(path.read_text()))
     assert docstring and docstring.splitlines()[0].strip(), f"{path} has no first-line docstring"
     assert len(path.read_text().splitlines()) <= 600, f"{path} is over 600 lines"
+
+
+def test_no_line_is_over_the_line_length():
+    limit = PYPROJECT["tool"]["ruff"]["line-length"]
+    files = [*package_modules().values(), *sorted((ROOT / "tests").glob("*.py")),
+             *sorted((ROOT / "benchmarks").glob("*.py"))]
+    long = [f"{path.relative_to(ROOT)}:{number}" for path in files
+            for number, line in enumerate(path.read_text().splitlines(), 1) if len(line) > limit]
+    assert not long, f"lines over {limit} characters: {', '.join(long)}"
 
 
 def test_function_imports_finds_only_function_level_ones():
