@@ -20,8 +20,8 @@ small learning rate (5e-6 vs 3e-4 from scratch). This study does the same on CPU
    arm, then prompts, shared by every arm); per arm vs `--baseline-arm` (ce): the paired difference and
    ratio with their intervals.
 
-Writes OUT/study.json (config, every run, per-prompt counts, summary), OUT/study.md (table) and
-OUT/study.png. Runs already trained under OUT/runs/ are reused (delete one to retrain it), and so are
+Writes OUT/study.json (config, every run, per-prompt counts, summary, the pre-registered decision: `decide`),
+OUT/study.md (table and decision) and OUT/study.png. Runs already trained under OUT/runs/ are reused (delete one to retrain it), and so are
 measurements already made (OUT/eval_cache.json, keyed by the drafter's weights, prompts, tree and metric).
 
     python benchmarks/vsd_study.py --init runs/ce_main --out benchmarks/results/vsd_study \\
@@ -465,15 +465,52 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def decide(rows: list[dict], primary: str = "accept", guard: str = "0", budget: str = "steps") -> dict | None:
+    """The pre-registered rule (docs/reproduction.md) on the pooled prompts at `budget`: an arm beats the baseline
+    when its `primary` difference's interval lies above 0 and its `guard` (T = 0 tau) difference's does not lie
+    below 0; the winner is the beating arm with the largest `primary` difference (None: no arm beats it). None
+    when the study lacks either metric."""
+    pooled = "all" if any(r["prompts"] == "all" for r in rows) else rows[0]["prompts"]
+    found = {(r["metric"], r["arm"]): r["vs_baseline"] for r in rows
+             if r["prompts"] == pooled and r["budget"] == budget and "vs_baseline" in r}
+    arms = sorted({arm for metric, arm in found if metric == primary})
+    if not arms or any((guard, arm) not in found for arm in arms):
+        return None
+    verdicts = {arm: {"primary_diff": found[primary, arm]["diff"], "primary_ci95": found[primary, arm]["diff_ci95"],
+                      "guard_diff": found[guard, arm]["diff"], "guard_ci95": found[guard, arm]["diff_ci95"]}
+                for arm in arms}
+    for verdict in verdicts.values():
+        verdict["beats"] = bool(verdict["primary_ci95"][0] > 0 and verdict["guard_ci95"][1] >= 0)
+    beating = [arm for arm in arms if verdicts[arm]["beats"]]
+    winner = max(beating, key=lambda arm: verdicts[arm]["primary_diff"]) if beating else None
+    return {"primary": primary, "guard": guard, "budget": budget, "prompts": pooled, "arms": verdicts,
+            "winner": winner}
+
+
+def decision_text(decision: dict | None, baseline: str) -> str:
+    if decision is None:
+        return ""
+    lines = [f"\nDecision ({metric_title(decision['primary'])} interval above 0, {metric_title(decision['guard'])} "
+             f"interval not below 0; {decision['prompts']} prompts, budget {decision['budget']}):"]
+    for arm, v in decision["arms"].items():
+        lines.append(f"- {arm}: {'beats' if v['beats'] else 'does not beat'} {baseline} "
+                     f"({v['primary_diff']:+.3f} [{v['primary_ci95'][0]:+.3f}, {v['primary_ci95'][1]:+.3f}]; "
+                     f"{v['guard_diff']:+.3f} [{v['guard_ci95'][0]:+.3f}, {v['guard_ci95'][1]:+.3f}])")
+    lines.append(f"- winner: {decision['winner'] or f'none ({baseline} stays)'}")
+    return "\n".join(lines) + "\n"
+
+
 def write_outputs(args: argparse.Namespace, runs: list[dict], counts: dict, rows: list[dict]) -> None:
     from mmvsd.files import atomic_file
 
     out = Path(args.out)
-    result = {"config": {k: v for k, v in vars(args).items()}, "runs": runs, "counts": counts, "summary": rows}
+    decision = decide(rows)
+    result = {"config": {k: v for k, v in vars(args).items()}, "runs": runs, "counts": counts, "summary": rows,
+              "decision": decision}
     with atomic_file(out / "study.json") as handle:
         json.dump(result, handle, indent=1)
     with atomic_file(out / "study.md") as handle:
-        handle.write(markdown_table(rows, args.baseline_arm))
+        handle.write(markdown_table(rows, args.baseline_arm) + decision_text(decision, args.baseline_arm))
     tmp = out / ".study.tmp.png"
     plot(rows, tmp)
     tmp.replace(out / "study.png")

@@ -78,6 +78,31 @@ def test_seed_spread_and_table(study):
     assert "1.100 [1.000, 1.200]" in table and "| met |" in table
 
 
+def _compared(metric, arm, diff, low, high, prompts="all", budget="steps"):
+    return {"metric": metric, "prompts": prompts, "budget": budget, "arm": arm,
+            "vs_baseline": {"diff": diff, "diff_ci95": [low, high]}}
+
+
+def test_the_decision_rule_is_the_pre_registered_one(study):
+    rows = [{"metric": m, "prompts": "all", "budget": "steps", "arm": "ce"} for m in ("accept", "0")]
+    rows += [_compared("accept", "recipe", 0.05, 0.01, 0.09), _compared("0", "recipe", -0.02, -0.10, 0.06),
+             _compared("accept", "accept", 0.20, 0.12, 0.28), _compared("0", "accept", -0.15, -0.25, -0.05),
+             _compared("accept", "tv", 0.03, -0.01, 0.07), _compared("0", "tv", 0.30, 0.20, 0.40),
+             _compared("accept", "recipe", 9.0, 8.0, 10.0, prompts="mt_bench"),  # one set's rows do not count
+             _compared("accept", "tv", 9.0, 8.0, 10.0, budget="wall")]
+    decision = study.decide(rows)
+    verdicts = {arm: v["beats"] for arm, v in decision["arms"].items()}
+    # accept's larger gain is vetoed by its T = 0 interval below 0; tv's primary interval touches 0
+    assert verdicts == {"accept": False, "recipe": True, "tv": False} and decision["winner"] == "recipe"
+    rows[3] = _compared("0", "recipe", -0.05, -0.10, -0.01)
+    assert study.decide(rows)["winner"] is None
+    text = study.decision_text(study.decide(rows), "ce")
+    assert "- recipe: does not beat ce (+0.050 [+0.010, +0.090]; -0.050 [-0.100, -0.010])" in text
+    assert "- winner: none (ce stays)" in text
+    assert study.decide([r for r in rows if r["metric"] == "accept"]) is None  # no T = 0 rows: no decision
+    assert study.decision_text(None, "ce") == ""
+
+
 def test_arm_specs_and_bad_arguments(study):
     arm = study.parse_arm("recipe-b=ce+vsd:loss.ce_weight=1.0,loss.vsd_weight=0.1")
     assert (arm.name, arm.objective, arm.overrides) == ("recipe-b", "ce+vsd",
