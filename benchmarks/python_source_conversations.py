@@ -11,14 +11,13 @@ methods instead) between `--min-chars` and `--max-chars` becomes one conversatio
                <its source, as the file has it>
                ```
 
-Files are read in sorted order, units in file order, then the records are shuffled with `--seed` (so the first N
-are a sample of the whole library: `num_conversations` takes the first N), so the output depends only on the
-interpreter's version
-(`OUT.manifest.json` records it, the count and the file's sha256). Test suites, `idlelib`, `lib2to3` and
-`site-packages` are left out.
+Files are read in sorted order and units in file order, then the records are shuffled with `--seed` (so the
+first N, which `num_conversations` takes, are a sample of the whole library): the output depends only on the
+interpreter's version and the seed (`OUT.manifest.json` records them, the count and the file's sha256). Test
+suites, `idlelib`, `lib2to3`, `turtledemo` and `site-packages` are left out.
 
     python benchmarks/python_source_conversations.py --out ~/data/pystdlib.jsonl
-    mmvsd prepare --target qwen2.5-coder-1.5b --data sharegpt+~/data/pystdlib.jsonl --output ...
+    mmvsd prepare --config configs/qwen15_coder_eagle3_cpu.yaml --data sharegpt+$HOME/data/pystdlib.jsonl ...
 """
 
 from __future__ import annotations

@@ -21,8 +21,9 @@ small learning rate (5e-6 vs 3e-4 from scratch). This study does the same on CPU
    ratio with their intervals.
 
 Writes OUT/study.json (config, every run, per-prompt counts, summary, the pre-registered decision: `decide`),
-OUT/study.md (table and decision) and OUT/study.png. Runs already trained under OUT/runs/ are reused (delete one to retrain it), and so are
-measurements already made (OUT/eval_cache.json, keyed by the drafter's weights, prompts, tree and metric).
+OUT/study.md (table and decision) and OUT/study.png. Runs already trained under OUT/runs/ are reused (delete one
+to retrain it), and so are measurements already made (OUT/eval_cache.json, keyed by the drafter's weights,
+prompts, tree and metric).
 
     python benchmarks/vsd_study.py --init runs/ce_main --out benchmarks/results/vsd_study \\
         --feature-cache runs/cache --steps 60 --seeds 3 --lr 3e-5 \\
