@@ -135,10 +135,9 @@ def greedy_continuations(
     """The target's own output per prompt (vanilla decoding: same EOS and length handling): greedy, or sampled at
     `temperature` > 0, prompt i alone with seed `seed + i` (a batch's rows would share one random stream, as
     decoding's per-request seeds do, and their samples would be correlated across prompts)."""
-    if temperature > 0:
-        config = DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
-        return [r.output_ids for r in generate_each(target, None, prompts, config)]
     config = DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+    if temperature > 0:
+        return [r.output_ids for r in generate_each(target, None, prompts, config)]
     out: list[list[int]] = []
     for start in range(0, len(prompts), batch_size):
         out += [r.output_ids for r in vanilla_generate(target, prompts[start : start + batch_size], config)]
