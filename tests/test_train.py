@@ -273,3 +273,16 @@ def test_every_shipped_training_config_resolves(name):
 
 def _shipped_config(name: str) -> str:
     return (Path(__file__).parents[1] / "configs" / f"{name}.yaml").read_text()
+
+
+def test_target_loads_on_the_training_device(setup, tmp_path, capsys, monkeypatch):
+    """The target loads where the drafter trains: loaded on the CPU and moved, a bf16 target kept the CPU's
+    packed-weight engine and broke on a GPU (seen on an H200, benchmarks/gpu_fullsize_llava.py)."""
+    target, data = setup
+    devices = []
+    real = trainer.load_target
+    monkeypatch.setattr(trainer, "load_target", lambda spec, dtype, device: devices.append(device)
+                        or real(spec, dtype=dtype, device=device))
+    code, err = train_cli(capsys, target, data, tmp_path / "out", "max_steps=1", "target_dtype=bf16")
+    assert code == 0, err
+    assert devices == ["cpu"]  # accelerate's device on this machine

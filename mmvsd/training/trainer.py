@@ -338,8 +338,8 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
         saved = TrainState(**json.loads((resume_from / STATE_FILE).read_text()))
         check_resume_split(resume_from, saved, split, sharded=accelerator.state.deepspeed_plugin is not None)
         state = dataclasses.replace(saved, num_processes=split.num_processes, global_batch=split.global_size)
-    if target is None:
-        target = load_target(config.target, dtype=TARGET_DTYPES[config.target_dtype])
+    if target is None:  # loaded where it runs: a CPU-only engine (mmvsd.decoding.engine) must not reach a GPU
+        target = load_target(config.target, dtype=TARGET_DTYPES[config.target_dtype], device=str(accelerator.device))
     target.model.to(accelerator.device)
     monitor = _tau_monitor(config, target, accelerator)
     source = _training_source(config, target, out_dir, read)
