@@ -1,0 +1,26 @@
+"""benchmarks/gpu_fullsize_llava.py's target: LLaVA-1.5's structure and image geometry, loadable as `--target`."""
+
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image
+
+from conftest import load_benchmark_script
+from mmvsd.target_loader import load_target
+
+
+def test_the_built_folder_is_a_llava_target_with_576_image_tokens(tmp_path):
+    load_benchmark_script("gpu_smoke")  # the script imports its subprocess runner from there
+    script = load_benchmark_script("gpu_fullsize_llava")
+    report = script.build(tmp_path / "target", "tiny", "cpu")
+    assert report["ok"] and report["parameters"] > 0
+    target = load_target(str(tmp_path / "target"))
+    config = target.model.config
+    assert (config.image_token_id, config.text_config.vocab_size, config.vision_config.image_size) == (32000, 32064,
+                                                                                                      336)
+    image = Image.fromarray(np.zeros((200, 300, 3), dtype=np.uint8))
+    ids = target.processor(text="USER: <image>\nab ASSISTANT:", images=image, return_tensors="pt")["input_ids"][0]
+    assert int((ids == 32000).sum()) == 576  # (336 / 14)^2 patches, as LLaVA-1.5
+    tokenizer = target.processor.tokenizer
+    assert tokenizer.decode(tokenizer("héllo")["input_ids"]) == "héllo"  # one token per character
+    assert (tokenizer.unk_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
