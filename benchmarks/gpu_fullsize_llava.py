@@ -1,6 +1,7 @@
 """LLaVA-1.5 at full size on one lent GPU, with random weights: the costs a CPU cannot measure.
 
     python benchmarks/gpu_fullsize_llava.py --images IMAGES --out $OUT/full     # a GPU machine, 13B
+    python benchmarks/gpu_fullsize_llava.py --images IMAGES --out $OUT/fp32 --dtype fp32 --steps 0  # equality
     python benchmarks/gpu_fullsize_llava.py --images IMAGES --out /tmp/full --size tiny --device cpu  # dry check
 
 The real weights are not reachable from the lent machines (nothing outside them is, and at most 64 MiB travels),
@@ -144,7 +145,7 @@ def train_steps(drafter: Path) -> dict:
             "tokens_per_step": round(seen[-1] / len(seen)) if seen else None}
 
 
-def generate(target: Path, drafter: Path, args, device_args: list[str]) -> dict:
+def generate(target: Path, drafter: str, args, device_args: list[str]) -> dict:
     """The same image prompts decoded without a drafter, with the trained one and with prompt lookup: one image
     (`--image` goes with every prompt of a file), the questions of the last --prompts records."""
     records = json.loads((args.images / "llava_instruct.json").read_text())[-args.prompts:]
@@ -152,7 +153,7 @@ def generate(target: Path, drafter: Path, args, device_args: list[str]) -> dict:
     prompts.write_text("".join(json.dumps({"prompt": r["conversations"][0]["value"].replace("<image>", "").strip()})
                                + "\n" for r in records))
     report = {}
-    for name, spec in (("none", "none"), ("drafter", str(drafter)), ("ngram", "ngram")):
+    for name, spec in (("none", "none"), ("drafter", drafter), ("ngram", "ngram")):
         out = args.work / f"generate-{name}.json"
         row = step(f"generate-{name}", ["generate", "--target", str(target), "--drafter", spec, "--prompt-file",
                                         str(prompts), "--image", str(args.images / records[-1]["image"]),
@@ -178,15 +179,18 @@ def main() -> int:
     parser.add_argument("--size", default="13b", choices=("7b", "13b", "tiny"))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--work", default=Path("/tmp/fullsize-llava"), type=Path, help="target and drafter folders")
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=6, help="training steps (0: no training; decode with an "
+                        "untrained drafter, `--drafter random`)")
+    parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"),
+                        help="profile and decode in this precision (fp32: token-for-token equality is exact)")
     parser.add_argument("--prompts", type=int, default=3, help="image prompts decoded (the last of IMAGES)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     target, drafter = args.work / "target", args.work / "drafter"
     gpu = args.device != "cpu"
-    report = {"device": torch.cuda.get_device_name(0) if gpu else "cpu", "size": args.size,
+    report = {"device": torch.cuda.get_device_name(0) if gpu else "cpu", "size": args.size, "dtype": args.dtype,
               "torch": torch.__version__, "cuda": torch.version.cuda}
-    device_args = ["--device", args.device, "--dtype", "bf16"]
+    device_args = ["--device", args.device, "--dtype", args.dtype]
     report["build"] = build(target, args.size, args.device)
     print("build", json.dumps(report["build"]), flush=True)
     save(report, args.out)
@@ -199,11 +203,13 @@ def main() -> int:
              f"save_every={args.steps}", "progress=false", "warmup_ratio=0"]
     if not gpu:
         train += ["batch_size=2", "precision=fp32"]
-    report["train"] = step("train", train, args.out, args.device)
-    if report["train"]["ok"]:
-        report["train"].update(train_steps(drafter))
-        save(report, args.out)
-        report["generate"] = generate(target, drafter, args, device_args)
+    if args.steps:
+        report["train"] = step("train", train, args.out, args.device)
+        if report["train"]["ok"]:
+            report["train"].update(train_steps(drafter))
+            save(report, args.out)
+    if report.get("train", {"ok": True})["ok"]:
+        report["generate"] = generate(target, str(drafter) if args.steps else "random", args, device_args)
     report["ok"] = all(value["ok"] for value in report.values() if isinstance(value, dict))
     save(report, args.out)
     return 0 if report["ok"] else 1
