@@ -13,7 +13,7 @@ from mmvsd.errors import UserError
 from mmvsd.eval.bench_cli import add_bench_parser, run_bench_command
 from mmvsd.files import atomic_file
 from mmvsd.layouts.export_cli import add_export_parser, run_export
-from mmvsd.placement import add_placement_arguments, half_precision_warning, placement
+from mmvsd.placement import add_device_argument, add_placement_arguments, half_precision_warning, placement
 from mmvsd.prompts import read_prompt_file
 
 
@@ -122,6 +122,7 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
                    help="storage type of the features (auto: the target's)")
     p.add_argument("--yes", action="store_true", help="do not ask before writing")
+    add_device_argument(p)  # where the target runs; its precision is the config's target_dtype
     p.add_argument("overrides", nargs="*", metavar="key=value")
 
 
@@ -419,7 +420,7 @@ def run_prepare(args: argparse.Namespace) -> None:
     flags = {"target": args.target, "data": args.data, "output": args.output, "features": "offline",
              "feature_cache": args.output}
     config = load_train_config(args.config, flags, args.overrides)
-    prepare_feature_cache(config, dtype=args.dtype, assume_yes=args.yes)
+    prepare_feature_cache(config, dtype=args.dtype, assume_yes=args.yes, device=placement(args.device)[1])
 
 
 def run_lab(args: argparse.Namespace) -> None:

@@ -14,9 +14,13 @@ DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfl
                "fp16": "float16", "float16": "float16"}  # the short names and the long ones lmms-eval users write
 
 
-def add_placement_arguments(p: argparse.ArgumentParser) -> None:
+def add_device_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto",
                    help="auto (default: the first CUDA GPU when there is one, else the CPU), cpu, cuda or cuda:N")
+
+
+def add_placement_arguments(p: argparse.ArgumentParser) -> None:
+    add_device_argument(p)
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="precision of the target and the drafter (default auto: bf16 on a GPU, fp16 on one without "
                         "bf16; on the CPU fp32 or bf16 with the exact engine, measured once per machine)")

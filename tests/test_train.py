@@ -286,3 +286,16 @@ def test_target_loads_on_the_training_device(setup, tmp_path, capsys, monkeypatc
     code, err = train_cli(capsys, target, data, tmp_path / "out", "max_steps=1", "target_dtype=bf16")
     assert code == 0, err
     assert devices == ["cpu"]  # accelerate's device on this machine
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a GPU this machine would have")
+def test_prepare_on_a_missing_gpu_is_one_message(setup, tmp_path, capsys):
+    """`mmvsd prepare --device` places the target as generate's --device does: a GPU that is not there is a
+    clear error before anything is written."""
+    target, data = setup
+    cache = tmp_path / "cache"
+    code = main(["prepare", "--target", str(target), "--data", str(data), "--output", str(cache), "--yes",
+                 "--device", "cuda", *TINY])
+    assert code == 2
+    assert "sees no CUDA GPU" in capsys.readouterr().err
+    assert not cache.exists()

@@ -14,10 +14,12 @@ from mmvsd.training.trainer import TARGET_DTYPES, config_examples, data_settings
 DTYPES = {"auto": None, "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 
 
-def prepare_feature_cache(config: TrainConfig, dtype: str = "auto", assume_yes: bool = False) -> Path:
-    """Render the same training examples `mmvsd train` would, print the size, then write the cache."""
+def prepare_feature_cache(config: TrainConfig, dtype: str = "auto", assume_yes: bool = False,
+                          device: str = "cpu") -> Path:
+    """Render the same training examples `mmvsd train` would, print the size, then write the cache (the target
+    on `device`; the features are stored from the CPU)."""
     out_dir = Path(config.feature_cache)
-    target = load_target(config.target, dtype=TARGET_DTYPES[config.target_dtype])
+    target = load_target(config.target, dtype=TARGET_DTYPES[config.target_dtype], device=device)
     split = config_examples(config, target)
     if any(example.media for example in split.train):
         raise UserError("offline feature caches hold text examples only; train on data with images with "
