@@ -133,7 +133,8 @@ def step(name: str, argv: list[str], out: Path, device: str) -> dict:
 
 
 def train_steps(drafter: Path) -> dict:
-    """Seconds per optimizer step (the median after the first) and tokens per step, from the training log."""
+    """Seconds per optimizer step (the median after the first), tokens per step and the peak of allocated GPU
+    memory, from the training log."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(drafter / "logs" / "train"))
@@ -141,8 +142,11 @@ def train_steps(drafter: Path) -> dict:
     walls = [event.wall_time for event in events.Scalars("train/loss")]
     seen = [event.value for event in events.Scalars("train/tokens_seen")]
     gaps = sorted(b - a for a, b in zip(walls, walls[1:]))
+    peaks = [event.value for event in events.Scalars("train/gpu_peak_gib")] if "train/gpu_peak_gib" in \
+        events.Tags()["scalars"] else []  # PyTorch's allocated peak per step, on a GPU
     return {"steps": len(walls), "step_seconds": round(gaps[len(gaps) // 2], 2) if gaps else None,
-            "tokens_per_step": round(seen[-1] / len(seen)) if seen else None}
+            "tokens_per_step": round(seen[-1] / len(seen)) if seen else None,
+            "peak_allocated_gib": round(max(peaks), 1) if peaks else None}
 
 
 def generate(target: Path, drafter: str, args, device_args: list[str]) -> dict:

@@ -489,6 +489,9 @@ def _optimizer_step(run: Run, state: TrainState) -> dict:
     totals["lr"] = run.scheduler.get_last_lr()[0]
     totals["bad_steps"] = float(state.num_bad_steps)
     totals["tokens_seen"] = float(state.tokens_seen)
+    if accelerator.device.type == "cuda":  # this process's peak in the step: what a memory plan must hold
+        totals["gpu_peak_gib"] = torch.cuda.max_memory_allocated(accelerator.device) / 2**30
+        torch.cuda.reset_peak_memory_stats(accelerator.device)
     return totals
 
 
