@@ -264,9 +264,10 @@ def load_target_folder(folder: Path, name: str, dtype: torch.dtype = torch.float
             builtin.before_load(config)
     model_cls = AutoModelForImageTextToText if "vision_config" in config else AutoModelForCausalLM
     try:
-        model = model_cls.from_pretrained(folder, dtype=dtype).to(device)
+        model = model_cls.from_pretrained(folder, dtype=dtype)
     except Exception as err:  # missing/corrupt weights surface as OSError, ValueError, SafetensorError...
         raise UserError(f"cannot load target weights from {folder}: {type(err).__name__}: {err}") from None
+    model = model.to(device)  # outside the try: a GPU's out-of-memory error is not a broken weights file
     tokenizer = processor = None
     if any((folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -22,5 +22,25 @@ def test_the_built_folder_is_a_llava_target_with_576_image_tokens(tmp_path):
     ids = target.processor(text="USER: <image>\nab ASSISTANT:", images=image, return_tensors="pt")["input_ids"][0]
     assert int((ids == 32000).sum()) == 576  # (336 / 14)^2 patches, as LLaVA-1.5
     tokenizer = target.processor.tokenizer
-    assert tokenizer.decode(tokenizer("héllo")["input_ids"]) == "héllo"  # one token per character
+    for text in ("héllo", "a\tb\nc"):
+        assert tokenizer.decode(tokenizer(text)["input_ids"]) == text  # one token per character
     assert (tokenizer.unk_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
+
+
+def test_first_mismatch_and_the_profile_tables():
+    load_benchmark_script("gpu_smoke")
+    script = load_benchmark_script("gpu_fullsize_llava")
+    assert script.first_mismatch([5, 6, 7], [5, 6, 7]) is None
+    assert script.first_mismatch([5, 9, 7], [5, 6, 7]) == 2  # counting new tokens from 1
+    assert script.first_mismatch([5, 6], [5, 6, 7]) == 3  # one stopped early
+    log = "\n".join([
+        "costs of T (bfloat16) ...",
+        "verify step (Target.forward over N tree tokens + keep):",
+        "  N         B=1 ms  x N=1",
+        "  1          27.69   1.00",
+        "  64         29.76   1.07",
+        "drafter expand (one depth of a frontier of W nodes); ratio to the 1-token verify step:",
+        "  W         B=1 ms  x N=1",
+        "  1           2.04   0.07",
+        "drafter fixed per step (advance + root top-k): B=1 2.58 ms"])
+    assert script.cost_tables(log) == {"verify_ms": {1: 27.69, 64: 29.76}, "expand_ms": {1: 2.04}}

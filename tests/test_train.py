@@ -279,13 +279,38 @@ def test_target_loads_on_the_training_device(setup, tmp_path, capsys, monkeypatc
     """The target loads where the drafter trains: loaded on the CPU and moved, a bf16 target kept the CPU's
     packed-weight engine and broke on a GPU (seen on an H200, benchmarks/gpu_fullsize_llava.py)."""
     target, data = setup
-    devices = []
-    real = trainer.load_target
+    devices, accelerators = [], []
+    real_load, real_accelerator = trainer.load_target, trainer._accelerator
     monkeypatch.setattr(trainer, "load_target", lambda spec, dtype, device: devices.append(device)
-                        or real(spec, dtype=dtype, device=device))
+                        or real_load(spec, dtype=dtype, device=device))
+    monkeypatch.setattr(trainer, "_accelerator", lambda *args: accelerators.append(real_accelerator(*args))
+                        or accelerators[-1])
     code, err = train_cli(capsys, target, data, tmp_path / "out", "max_steps=1", "target_dtype=bf16")
     assert code == 0, err
-    assert devices == ["cpu"]  # accelerate's device on this machine
+    assert devices == [str(accelerators[0][0].device)]
+
+
+def test_a_target_with_the_cpu_engine_is_refused_on_a_gpu(setup, tmp_path, monkeypatch):
+    """A bf16 target loaded on the CPU carries the exact engine, whose packed weights cannot run on a GPU:
+    training it there is one clear error, not a kernel's traceback."""
+    from types import SimpleNamespace
+
+    from mmvsd.target_loader import load_target
+
+    target_dir, data = setup
+    target = load_target(str(target_dir), dtype=torch.bfloat16)
+    target.engine = "exact2-test"  # as `use_exact_engine` marks it (whether this CPU installs it varies)
+    real = trainer._accelerator
+
+    def on_a_gpu(*args):
+        accelerator, split = real(*args)
+        return SimpleNamespace(device=torch.device("cuda", 0), state=accelerator.state), split
+
+    monkeypatch.setattr(trainer, "_accelerator", on_a_gpu)
+    config = load_train_config(None, {"target": str(target_dir), "data": str(data), "output": str(tmp_path / "o")},
+                               [*TINY, "max_steps=1"])
+    with pytest.raises(UserError, match="carries the CPU's exact engine"):
+        trainer.train(config, target=target)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a GPU this machine would have")

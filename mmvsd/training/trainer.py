@@ -340,6 +340,9 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
         state = dataclasses.replace(saved, num_processes=split.num_processes, global_batch=split.global_size)
     if target is None:  # loaded where it runs: a CPU-only engine (mmvsd.decoding.engine) must not reach a GPU
         target = load_target(config.target, dtype=TARGET_DTYPES[config.target_dtype], device=str(accelerator.device))
+    elif accelerator.device.type != "cpu" and target.engine.startswith("exact"):
+        raise UserError(f"target {target.name} carries the CPU's exact engine and cannot train on "
+                        f"{accelerator.device}: load it there (load_target(..., device=...))")
     target.model.to(accelerator.device)
     monitor = _tau_monitor(config, target, accelerator)
     source = _training_source(config, target, out_dir, read)
@@ -489,9 +492,8 @@ def _optimizer_step(run: Run, state: TrainState) -> dict:
     totals["lr"] = run.scheduler.get_last_lr()[0]
     totals["bad_steps"] = float(state.num_bad_steps)
     totals["tokens_seen"] = float(state.tokens_seen)
-    if accelerator.device.type == "cuda":  # this process's peak in the step: what a memory plan must hold
+    if accelerator.device.type == "cuda":  # this process's peak so far: what a memory plan must hold
         totals["gpu_peak_gib"] = torch.cuda.max_memory_allocated(accelerator.device) / 2**30
-        torch.cuda.reset_peak_memory_stats(accelerator.device)
     return totals
 
 
