@@ -158,15 +158,15 @@ def first_mismatch(output: list[int], vanilla: list[int]) -> int | None:
 
 
 def cost_tables(log: str) -> dict:
-    """`mmvsd profile`'s printed tables: verify ms by tree tokens, drafter expand ms by frontier width (B = 1)."""
-    tables, section = {"verify_ms": {}, "expand_ms": {}}, None
-    for line in log.splitlines():
-        if line.startswith(("verify step", "drafter expand")):
-            section = "verify_ms" if line.startswith("verify") else "expand_ms"
-        parts = line.split()
-        if section and len(parts) == 3 and parts[0].isdigit():
-            tables[section][int(parts[0])] = float(parts[1])
-    return tables
+    """The cost table `mmvsd profile` measured, read from the cache file its log names (batch 1): verify ms by
+    tree tokens, drafter expand ms by frontier width."""
+    from mmvsd.decoding.costs import CostTable
+
+    marker = "profile cached in "
+    path = next(line.split(marker, 1)[1].strip() for line in log.splitlines() if marker in line)
+    table = CostTable.from_json(json.loads(Path(path).read_text()))
+    return {"verify_ms": {n: round(table.target_step(n) * 1000, 2) for n in table.target_tokens},
+            "expand_ms": {w: round(table.draft_expand(w) * 1000, 2) for w in table.draft_widths}}
 
 
 def generate(target: Path, drafter: str, args, device_args: list[str]) -> dict:
@@ -222,15 +222,16 @@ def main() -> int:
     save(report, args.out)
     report["profile"] = step("profile", ["profile", "--target", str(target), "--drafter", "random", "--refresh",
                                          *device_args], args.out, args.device)
-    report["profile"].update(cost_tables((args.out / "profile.log").read_text()))
+    if report["profile"]["ok"]:
+        report["profile"].update(cost_tables((args.out / "profile.log").read_text()))
     save(report, args.out)
-    train = ["train", "--config", "llava_vispec_paper", "--target", str(target), "--init", "none",
-             "--data", f"llava-instruct:{args.images / 'llava_instruct.json'}", "--output", str(drafter),
-             "num_conversations=64", f"max_steps={args.steps}", "validation_fraction=0", "log_every=1",
-             f"save_every={args.steps}", "progress=false", "warmup_ratio=0"]
-    if not gpu:
-        train += ["batch_size=2", "precision=fp32"]
     if args.steps:
+        train = ["train", "--config", "llava_vispec_paper", "--target", str(target), "--init", "none",
+                 "--data", f"llava-instruct:{args.images / 'llava_instruct.json'}", "--output", str(drafter),
+                 "num_conversations=64", f"max_steps={args.steps}", "validation_fraction=0", "log_every=1",
+                 f"save_every={args.steps}", "progress=false", "warmup_ratio=0"]
+        if not gpu:
+            train += ["batch_size=2", "precision=fp32"]
         report["train"] = step("train", train, args.out, args.device)
         if report["train"]["ok"]:
             report["train"].update(train_steps(drafter))

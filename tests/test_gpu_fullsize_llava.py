@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 from PIL import Image
 
@@ -27,20 +29,18 @@ def test_the_built_folder_is_a_llava_target_with_576_image_tokens(tmp_path):
     assert (tokenizer.unk_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
 
 
-def test_first_mismatch_and_the_profile_tables():
+def test_first_mismatch_and_the_profile_tables(tmp_path):
+    from mmvsd.decoding.costs import CostTable
+
     load_benchmark_script("gpu_smoke")
     script = load_benchmark_script("gpu_fullsize_llava")
     assert script.first_mismatch([5, 6, 7], [5, 6, 7]) is None
     assert script.first_mismatch([5, 9, 7], [5, 6, 7]) == 2  # counting new tokens from 1
     assert script.first_mismatch([5, 6], [5, 6, 7]) == 3  # one stopped early
-    log = "\n".join([
-        "costs of T (bfloat16) ...",
-        "verify step (Target.forward over N tree tokens + keep):",
-        "  N         B=1 ms  x N=1",
-        "  1          27.69   1.00",
-        "  64         29.76   1.07",
-        "drafter expand (one depth of a frontier of W nodes); ratio to the 1-token verify step:",
-        "  W         B=1 ms  x N=1",
-        "  1           2.04   0.07",
-        "drafter fixed per step (advance + root top-k): B=1 2.58 ms"])
+    table = CostTable(key={"target": "t"}, target_tokens=(1, 64), target_seconds={1: (0.02769, 0.02976)},
+                      draft_widths=(1,), draft_seconds={1: (0.00204,)}, draft_fixed_seconds={1: 0.00258},
+                      context=256)
+    cached = tmp_path / "profile.json"
+    cached.write_text(json.dumps(table.to_json()))
+    log = f"costs of t ...\nverify step (Target.forward over N tree tokens + keep):\nprofile cached in {cached}\n"
     assert script.cost_tables(log) == {"verify_ms": {1: 27.69, 64: 29.76}, "expand_ms": {1: 2.04}}
