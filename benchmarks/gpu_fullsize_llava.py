@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -91,18 +92,26 @@ def build(folder: Path, size: str, device: str) -> dict:
     return {"ok": True, "parameters": params, "seconds": round(time.perf_counter() - start, 1)}
 
 
+def nvidia_smi_index(device: str) -> str:
+    """nvidia-smi's index of torch's `device` (cuda:N), which counts only the GPUs CUDA_VISIBLE_DEVICES shows."""
+    index = torch.device(device).index or 0
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    return visible[index] if index < len(visible) else str(index)
+
+
 class PeakMemory:
     """The GPU's used memory, polled by nvidia-smi while a child process runs (its own allocator is out of reach)."""
 
     def __init__(self, device: str):
         self.peak_mib, self.on = 0, device != "cpu"
+        self.gpu = nvidia_smi_index(device) if self.on else ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
     def _poll(self) -> None:
         while not self._stop.wait(0.25):
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, check=False).stdout.split()
+            query = ["nvidia-smi", "-i", self.gpu, "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+            out = subprocess.run(query, capture_output=True, text=True, check=False).stdout.split()
             if out:
                 self.peak_mib = max(self.peak_mib, int(out[0]))
 

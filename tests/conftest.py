@@ -90,12 +90,20 @@ def no_deprecation_is_logged():
 
 
 def load_benchmark_script(name: str):
-    """benchmarks/NAME.py as a module (registered under NAME: dataclasses look their module up while it runs)."""
-    spec = importlib.util.spec_from_file_location(
-        name, Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py")
+    """benchmarks/NAME.py as a module (registered under NAME: dataclasses look their module up while it runs),
+    with benchmarks/ on sys.path as `python benchmarks/NAME.py` has it (scripts import their siblings)."""
+    folder = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    spec = importlib.util.spec_from_file_location(name, Path(folder) / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    added = folder not in sys.path
+    if added:
+        sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if added:
+            sys.path.remove(folder)
     return module
 
 

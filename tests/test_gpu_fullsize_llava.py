@@ -12,7 +12,6 @@ from mmvsd.target_loader import load_target
 
 
 def test_the_built_folder_is_a_llava_target_with_576_image_tokens(tmp_path):
-    load_benchmark_script("gpu_smoke")  # the script imports its subprocess runner from there
     script = load_benchmark_script("gpu_fullsize_llava")
     report = script.build(tmp_path / "target", "tiny", "cpu")
     assert report["ok"] and report["parameters"] > 0
@@ -32,7 +31,6 @@ def test_the_built_folder_is_a_llava_target_with_576_image_tokens(tmp_path):
 def test_first_mismatch_and_the_profile_tables(tmp_path):
     from mmvsd.decoding.costs import CostTable
 
-    load_benchmark_script("gpu_smoke")
     script = load_benchmark_script("gpu_fullsize_llava")
     assert script.first_mismatch([5, 6, 7], [5, 6, 7]) is None
     assert script.first_mismatch([5, 9, 7], [5, 6, 7]) == 2  # counting new tokens from 1
@@ -44,3 +42,13 @@ def test_first_mismatch_and_the_profile_tables(tmp_path):
     cached.write_text(json.dumps(table.to_json()))
     log = f"costs of t ...\nverify step (Target.forward over N tree tokens + keep):\nprofile cached in {cached}\n"
     assert script.cost_tables(log) == {"verify_ms": {1: 27.69, 64: 29.76}, "expand_ms": {1: 2.04}}
+
+
+def test_the_memory_poller_asks_nvidia_smi_for_the_gpu_torch_means(monkeypatch):
+    script = load_benchmark_script("gpu_fullsize_llava")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert script.nvidia_smi_index("cuda") == "0"
+    assert script.nvidia_smi_index("cuda:3") == "3"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4, 6")  # torch's cuda:1 is nvidia-smi's GPU 6
+    assert script.nvidia_smi_index("cuda:1") == "6"
+    assert script.nvidia_smi_index("cuda:0") == "4"
