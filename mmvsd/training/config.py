@@ -31,7 +31,9 @@ class TrainConfig:
     target: str = ""
     drafter: str = "eagle3"  # a registered drafter type
     init: str = "none"  # none | drafter folder | LAYOUT (released for the target) | LAYOUT:PATH
-    objective: str = "ce"  # ce | vsd (ablation: no KL half) | vsd-kl | ce+vsd (the paper's recipe) | accept | ce+accept
+    # ce | vsd (ablation: no KL half) | vsd-kl | ce+vsd (the paper's recipe) | accept | ce+accept | vsd-rloo
+    # | ce+vsd-rloo (objectives.py's docstring)
+    objective: str = "ce"
     data: str = "sharegpt"  # sharegpt, sharegpt:PATH, llava-instruct:PATH or a file; SPEC+SPEC mixes them
     image_root: str = ""  # where the data's relative image paths are ("": each data file's folder); LLaVA-Instruct
     # names bare COCO files (000000033471.jpg): set image_root=/data/coco/train2017

@@ -339,3 +339,26 @@ def run_estep(drafter: Drafter, target: Target, batch: FeatureBatch, num_anchors
         correction_ids=_per_anchor(corrections.token_ids),
         greedy_ids=_per_anchor(greedy.token_ids)[:, 0],
     )
+
+
+@dataclass
+class ProposalPaths:
+    """The drafter's S proposals per anchor scored by both models, for estimators without an oracle: [B*A, S, L]."""
+
+    target_lps: Tensor  # log p_theta of proposal tokens (fp32 logits, full vocabulary)
+    draft_lps: Tensor  # log q_psi of proposal tokens, with grad
+    mask: Tensor  # bool, as EStepPaths.mask
+
+
+def sample_proposals(drafter: Drafter, target: Target, batch: FeatureBatch, num_anchors: int, num_samples: int,
+                     path_length: int, generator: torch.Generator) -> ProposalPaths:
+    """The proposals half of `run_estep` (no target rollouts, no z_bar): S drafted paths per anchor and their
+    target log-probabilities from one packed forward."""
+    cache = batch.target_cache if batch.target_cache is not None else prefix_cache(target, batch.tokens)
+    anchors, anchor_valid = choose_anchors(batch.tokens, num_anchors, generator)
+    none_given = anchors.new_zeros(*anchors.shape, 0, path_length)
+    drafted = draft_pass(drafter, batch, anchors, none_given, target_to_draft_ids(drafter, target.vocab_size),
+                         num_samples, path_length, generator)
+    target_lps = score_paths_packed(target, cache, batch, anchors, drafted.proposals)
+    mask = path_mask(batch.tokens, anchors, anchor_valid, path_length)[:, :, None].expand_as(drafted.proposals)
+    return ProposalPaths(_per_anchor(target_lps), _per_anchor(drafted.proposal_logprobs), _per_anchor(mask))

@@ -12,6 +12,9 @@ An objective is a weighted sum of terms (docs/training.md, "Objectives", has the
     accept   - sum_i decay^i * mean acceptance sum_{v in draft vocab} min(p(v), q_i(v)) (1 - total
              variation, with p the full-vocabulary target distribution): the exact probability that a
              token the drafter samples is accepted, along the same unroll, no sampling.
+    vsd_rloo VSD's proposals without its binary oracle: S drafted paths per anchor, each prefix scored by
+             kappa (its acceptance probability) against the mean of the other S-1 (a leave-one-out
+             baseline); an unbiased gradient of the expected accepted length of the drafter's own chains.
 Objectives (TERM_WEIGHTS):
     ce       ce alone (the baseline).
     vsd      vsd alone: an ABLATION (the ELBO without its KL half), never "VSD" as the paper trains it.
@@ -20,6 +23,8 @@ Objectives (TERM_WEIGHTS):
              original loss plus alpha times the VSD term), for training on from a trained drafter.
     accept   accept alone: what sampled drafts are accepted with, maximised directly.
     ce+accept  ce + accept_weight * accept.
+    vsd-rloo   vsd_rloo alone.
+    ce+vsd-rloo  ce + rloo_weight * vsd_rloo.
 The objectives never look at which drafter they train: only the `Drafter` interface.
 """
 
@@ -35,12 +40,13 @@ from mmvsd.drafter_base import Drafter, target_to_draft_ids
 from mmvsd.errors import UserError
 from mmvsd.target import Target
 from mmvsd.training.distributed import Mean, batch_mean
-from mmvsd.training.estep import EStepPaths, run_estep
+from mmvsd.training.estep import EStepPaths, run_estep, sample_proposals
 from mmvsd.training.features import FeatureBatch, draft_step0_inputs
 from mmvsd.training.unroll import shifted, unroll_draft_steps
 from mmvsd.training.vsd import (
     CAR_NORMALISATIONS,
     CAR_SCALES,
+    PATH_SCORES,
     car_weights,
     leave_one_out_acceptance,
     length_weights,
@@ -49,6 +55,7 @@ from mmvsd.training.vsd import (
     path_log_kappa,
     prefix_logprobs,
     prefix_matches,
+    rloo_surrogate,
     topk_renormalised_kl,
     vsd_surrogate,
 )
@@ -84,20 +91,22 @@ class ObjectiveConfig:
     ce_weight: float = 1.0  # ce+vsd: weight of ce
     vsd_weight: float = PAPER_ALPHA  # ce+vsd: weight of vsd (the paper's alpha)
     accept_weight: float = 1.0  # ce+accept: weight of accept
+    rloo_weight: float = 1.0  # ce+vsd-rloo: weight of vsd_rloo
+    rloo_score: str = "kappa"  # vsd_rloo's path score: kappa (expected accepted length) | log_kappa
 
     def validate(self, objective: str) -> None:
         """Raise UserError on values no run can use, or weights with which `objective` trains nothing."""
         if objective not in TERM_WEIGHTS:
             raise UserError(f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVE_NAMES)}")
         choices = {"car_normalisation": CAR_NORMALISATIONS, "car_scale": CAR_SCALES, "kl_depth": KL_DEPTHS,
-                   "zbar_vocab": ZBAR_VOCABS}
+                   "zbar_vocab": ZBAR_VOCABS, "rloo_score": PATH_SCORES}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise UserError(f"loss.{key}={getattr(self, key)!r} is not one of {', '.join(allowed)}")
         for key in ("ttt_steps", "num_samples", "path_length", "num_anchors", "kl_topk"):
             if getattr(self, key) < 1:
                 raise UserError(f"loss.{key} must be >= 1, got {getattr(self, key)}")
-        for key in ("ce_weight", "vsd_weight", "kl_alpha", "ttt_decay", "accept_weight"):
+        for key in ("ce_weight", "vsd_weight", "kl_alpha", "ttt_decay", "accept_weight", "rloo_weight"):
             if not getattr(self, key) >= 0:  # also refuses NaN
                 raise UserError(f"loss.{key} must be >= 0, got {getattr(self, key)}")
         for key in ("car_temperature", "length_weight_base"):
@@ -122,9 +131,11 @@ TERM_WEIGHTS = {
     "ce+vsd": {"ce": "ce_weight", "vsd": "vsd_weight"},
     "accept": {"accept": ""},
     "ce+accept": {"ce": "", "accept": "accept_weight"},
+    "vsd-rloo": {"vsd_rloo": ""},
+    "ce+vsd-rloo": {"ce": "", "vsd_rloo": "rloo_weight"},
 }
 TERM_KEYS = {"ce": "loss.ce_weight", "vsd": "loss.vsd_weight", "topk_kl": "loss.kl_alpha",
-             "accept": "loss.accept_weight"}
+             "accept": "loss.accept_weight", "vsd_rloo": "loss.rloo_weight"}
 OBJECTIVE_NAMES = tuple(TERM_WEIGHTS)
 
 
@@ -220,6 +231,17 @@ def vsd_m_step(paths: EStepPaths, config: ObjectiveConfig, mean: Mean = batch_me
     return loss, metrics
 
 
+def vsd_rloo_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: ObjectiveConfig,
+                  generator: torch.Generator, mean: Mean = batch_mean) -> tuple[Tensor, Metrics]:
+    """VSD's proposals at `num_anchors` random anchors per row, scored against a leave-one-out baseline."""
+    paths = sample_proposals(drafter, target, batch, config.num_anchors, config.num_samples, config.path_length,
+                             generator)
+    loss, raw = rloo_surrogate(paths.target_lps, paths.draft_lps, paths.mask, score=config.rloo_score, mean=mean)
+    metrics = {k: float(v) for k, v in raw.items()}
+    metrics["vsd_rloo"] = float(loss.detach())
+    return loss, metrics
+
+
 def topk_kl_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: ObjectiveConfig,
                  mean: Mean = batch_mean) -> tuple[Tensor, Metrics]:
     """sum_i ttt_decay^i * mean top-K renormalised KL at unrolled step i (every step, or step 0 only).
@@ -294,7 +316,7 @@ def _accept_term(drafter, target, batch, config, generator, mean):
     return accept_loss(drafter, target, batch, config, mean)
 
 
-TERMS = {"ce": _ce_term, "vsd": vsd_loss, "topk_kl": _kl_term, "accept": _accept_term}
+TERMS = {"ce": _ce_term, "vsd": vsd_loss, "topk_kl": _kl_term, "accept": _accept_term, "vsd_rloo": vsd_rloo_loss}
 
 
 def make_objective(name: str, config: ObjectiveConfig) -> Objective:

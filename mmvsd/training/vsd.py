@@ -107,6 +107,23 @@ def oracle(
     return passed.to(weights.dtype) * weights
 
 
+def leave_one_out_mean(values: Tensor, weights: Tensor | None = None, *, sample_dim: int = SAMPLE_DIM) -> Tensor:
+    """For every sample s, the `weights`-weighted mean of `values` over the other samples j != s of its axis
+    (weights default 1: the plain mean of the others); 0 where the others weigh nothing (S = 1). Detached.
+    values, weights [..., S, ...] -> [..., S, ...]
+    """
+    values = values.detach().float()
+    weights = torch.ones_like(values) if weights is None else weights.detach().float()
+    num_samples = values.shape[sample_dim]
+    others = 1.0 - torch.eye(num_samples, device=values.device)  # [S, S], 0 on the diagonal
+    # sums over j != s without the cancellation error of "total minus own"
+    numerator = torch.movedim(torch.movedim(weights * values, sample_dim, -1) @ others, -1, sample_dim)
+    denominator = torch.movedim(torch.movedim(weights, sample_dim, -1) @ others, -1, sample_dim)
+    has_others = denominator > 0
+    mean = numerator / torch.where(has_others, denominator, torch.ones_like(denominator))
+    return torch.where(has_others, mean, torch.zeros_like(mean))
+
+
 def leave_one_out_acceptance(
     proposal_passed: Tensor, final_oracle: Tensor | None = None, *, sample_dim: int = SAMPLE_DIM
 ) -> Tensor:
@@ -121,16 +138,7 @@ def leave_one_out_acceptance(
     final_oracle    [A, S, (L)]: o' (default all ones); masked entries must be 0
     returns         [A, S, (L)], detached, in [0, 1]
     """
-    passed = proposal_passed.detach().float()
-    final = torch.ones_like(passed) if final_oracle is None else final_oracle.detach().float()
-    num_samples = passed.shape[sample_dim]
-    others = 1.0 - torch.eye(num_samples, device=passed.device)  # [S, S], 0 on the diagonal
-    # sums over j != s without the cancellation error of "total minus own"
-    numerator = torch.movedim(torch.movedim(final * passed, sample_dim, -1) @ others, -1, sample_dim)
-    denominator = torch.movedim(torch.movedim(final, sample_dim, -1) @ others, -1, sample_dim)
-    has_others = denominator > 0
-    beta = numerator / torch.where(has_others, denominator, torch.ones_like(denominator))
-    return torch.where(has_others, beta, torch.zeros_like(beta))
+    return leave_one_out_mean(proposal_passed.float(), final_oracle, sample_dim=sample_dim)
 
 
 CAR_NORMALISATIONS = ("sum", "mean")
@@ -223,6 +231,57 @@ def vsd_surrogate(
     num_used = used.sum()
     loss = -mean((per_anchor * used).sum(), num_used)
     metrics = _surrogate_metrics(proposal_passed, final_weight, beta, zeta, correction, valid, num_used)
+    return loss, metrics
+
+
+PATH_SCORES = ("kappa", "log_kappa")
+
+
+def rloo_surrogate(
+    target_token_logprobs: Tensor, draft_token_logprobs: Tensor, mask: Tensor, *, score: str = "kappa",
+    mean: Mean = batch_mean,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """VSD without the binary oracle: every prefix of the S proposals is scored by its kappa against the mean
+    score of the other S-1 proposals (a leave-one-out baseline, RLOO), and the loss is minus an unbiased
+    estimate of the expected score of a path drawn from q_psi.
+
+    With R_l(z) = kappa(z_<=l) (`score="kappa"`: the probability that speculative sampling accepts a drafted
+    chain z's first l tokens, so sum_l R_l is its expected accepted length; `"log_kappa"`: log kappa, the
+    ELBO's E_q[log kappa] half) the objective per anchor is J = E_{z~q}[sum_l R_l(z)], and kappa depends on q
+    itself, so its gradient has two parts:
+        grad J = E[sum_l R_l grad log q(z_<=l)] + E[sum_l grad_psi R_l]          (score function + pathwise)
+    estimated from the S proposals with b_l^(s) = mean_{j != s} R_l(z^(j)) (independent of z^(s), so the
+    estimate stays unbiased; S = 1 leaves b = 0):
+        g_hat = 1/S sum_s sum_l [(R_l^(s) - b_l^(s)) grad log q(z^(s)_<=l) + grad_psi R_l^(s)].
+    loss = - mean over anchors with an unpadded prefix of the bracket's surrogate (`mean`: this batch, or every
+    process's anchors under data parallelism).
+    target_token_logprobs [A, S, L]: log p_theta of each proposal token (full vocabulary, no grad)
+    draft_token_logprobs  [A, S, L]: log q_psi of the same tokens, with grad
+    mask                  [A, S, L]: False on padded prefixes (past the answer's end, unused anchors)
+    returns loss [], metrics {rloo_score (mean per anchor of sum_l R_l: with kappa, the expected accepted length
+                              of the proposals' chains), rloo_advantage_rms, num_anchors_used}
+    """
+    if score not in PATH_SCORES:
+        raise ValueError(f"score={score!r} is not one of {PATH_SCORES}")
+    valid = mask.bool()
+    weight = valid.to(draft_token_logprobs.dtype)
+    log_kappa = path_log_kappa(target_token_logprobs.detach(), draft_token_logprobs, valid)  # pathwise grad via q
+    reward = log_kappa.exp() if score == "kappa" else log_kappa
+    baseline = leave_one_out_mean(reward, weight)
+    advantage = (reward.detach() - baseline) * weight
+    path_logprobs = prefix_logprobs(draft_token_logprobs, valid)
+    num_samples = valid.shape[SAMPLE_DIM]
+    per_anchor = ((advantage * path_logprobs + reward * weight).flatten(1).sum(1)) / num_samples  # [A]
+    used = valid.flatten(1).any(1)
+    num_used = used.sum()
+    loss = -mean((per_anchor * used).sum(), num_used)
+    count = valid.sum().clamp(min=1)
+    scores = (reward.detach() * weight).flatten(1).sum(1) / num_samples
+    metrics = {
+        "rloo_score": (scores * used).sum() / num_used.clamp(min=1),
+        "rloo_advantage_rms": ((advantage.detach() ** 2).sum() / count).sqrt(),
+        "num_anchors_used": num_used.detach(),
+    }
     return loss, metrics
 
 
