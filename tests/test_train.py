@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from conftest import save_tiny_target
@@ -324,3 +325,17 @@ def test_prepare_on_a_missing_gpu_is_one_message(setup, tmp_path, capsys):
     assert code == 2
     assert "sees no CUDA GPU" in capsys.readouterr().err
     assert not cache.exists()
+
+
+def test_a_checkpoint_from_before_a_setting_existed_reads_it_as_its_default(tmp_path):
+    """A checkpoint written before a setting was added (here: a loss key) resumes; one whose settings differ
+    does not."""
+    config = TrainConfig()
+    old = config.to_dict()
+    del old["loss"]["rloo_weight"], old["loss"]["rloo_score"]
+    (tmp_path / "train_config.yaml").write_text(yaml.safe_dump(old))
+    trainer.check_resume_config(tmp_path, config)
+    old["loss"]["num_samples"] += 1
+    (tmp_path / "train_config.yaml").write_text(yaml.safe_dump(old))
+    with pytest.raises(UserError, match="settings differ"):
+        trainer.check_resume_config(tmp_path, config)
