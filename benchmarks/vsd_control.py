@@ -20,6 +20,8 @@ prompts, answered by the target (the trainer's `regenerate`):
     ce+vsd     ce + 0.1 * vsd (loss.ce_weight=1.0, loss.vsd_weight=0.1: the paper's recipe), T = 1 answers
     accept     accept alone (sum_v min(p, q) along the unroll), T = 1 answers
     ce+accept  ce + accept, T = 1 answers
+    vsd-rloo   VSD's proposals scored by kappa against a leave-one-out baseline (no binary oracle), T = 1 answers
+    ce+vsd-rloo  ce + vsd-rloo, T = 1 answers
 plus `init`, the untrained drafter, as a floor.
 
 Metrics on held-out prompts (prefixes of the chain drawn with another seed), per prompt, then a bootstrap
@@ -417,6 +419,8 @@ def control_arms(config: ControlConfig) -> list[Arm]:
         Arm("ce+vsd", "ce+vsd", "sample", ("loss.ce_weight=1.0", f"loss.vsd_weight={config.vsd_alpha}")),
         Arm("accept", "accept", "sample"),
         Arm("ce+accept", "ce+accept", "sample", ("loss.accept_weight=1.0",)),
+        Arm("vsd-rloo", "vsd-rloo", "sample"),
+        Arm("ce+vsd-rloo", "ce+vsd-rloo", "sample", ("loss.rloo_weight=1.0",)),
     ]
 
 
