@@ -434,6 +434,30 @@ def markdown_table(rows: list[dict], baseline: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def compact_table(rows: list[dict], baseline: str, budget: str = "steps") -> str:
+    """The pooled prompts at `budget` in two small tables: each arm's value per metric, then each arm minus
+    `baseline` (95% intervals: seeds, then prompts)."""
+    pooled = "all" if any(r["prompts"] == "all" for r in rows) else rows[0]["prompts"]
+    mine = [r for r in rows if r["prompts"] == pooled and r["budget"] in (budget, "-")]
+    metrics = list(dict.fromkeys(r["metric"] for r in mine))
+    arms = list(dict.fromkeys(r["arm"] for r in mine))
+    cell = {(r["arm"], r["metric"]): r for r in mine}
+    titles = " | ".join(metric_title(m) for m in metrics)
+    lines = [f"| arm | {titles} |", "|---" * (len(metrics) + 1) + "|"]
+    for arm in arms:
+        values = [f"{cell[arm, m]['tau']:.3f} [{cell[arm, m]['ci95'][0]:.3f}, {cell[arm, m]['ci95'][1]:.3f}]"
+                  if (arm, m) in cell else "-" for m in metrics]
+        lines.append(f"| {arm} | {' | '.join(values)} |")
+    lines += ["", f"| arm - {baseline} | {titles} |", "|---" * (len(metrics) + 1) + "|"]
+    for arm in arms:
+        compared = [cell.get((arm, m), {}).get("vs_baseline") for m in metrics]
+        if any(compared):
+            values = [f"{c['diff']:+.3f} [{c['diff_ci95'][0]:+.3f}, {c['diff_ci95'][1]:+.3f}]" if c else "-"
+                      for c in compared]
+            lines.append(f"| {arm} | {' | '.join(values)} |")
+    return "\n".join(lines) + "\n"
+
+
 def plot(rows: list[dict], path: Path) -> None:
     """Each metric with 95% intervals per arm, one panel per (metric, budget); seeds as dots, init as a line."""
     import matplotlib
@@ -511,7 +535,8 @@ def write_outputs(args: argparse.Namespace, runs: list[dict], counts: dict, rows
     with atomic_file(out / "study.json") as handle:
         json.dump(result, handle, indent=1)
     with atomic_file(out / "study.md") as handle:
-        handle.write(markdown_table(rows, args.baseline_arm) + decision_text(decision, args.baseline_arm))
+        handle.write(compact_table(rows, args.baseline_arm) + "\n" + markdown_table(rows, args.baseline_arm)
+                     + decision_text(decision, args.baseline_arm))
     tmp = out / ".study.tmp.png"
     plot(rows, tmp)
     tmp.replace(out / "study.png")

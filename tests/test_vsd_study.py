@@ -78,6 +78,24 @@ def test_seed_spread_and_table(study):
     assert "1.100 [1.000, 1.200]" in table and "| met |" in table
 
 
+def test_the_compact_table_has_each_arm_per_metric_then_its_difference(study):
+    def row(metric, arm, value, budget="steps", prompts="all", diff=None):
+        out = {"metric": metric, "prompts": prompts, "budget": budget, "arm": arm, "tau": value,
+               "ci95": [value - 0.1, value + 0.1]}
+        if diff is not None:
+            out["vs_baseline"] = {"diff": diff, "diff_ci95": [diff - 0.05, diff + 0.05]}
+        return out
+
+    rows = [row("accept", "init", 1.0, budget="-"), row("accept", "ce", 1.2), row("accept", "recipe", 1.3, diff=0.1),
+            row("0", "init", 2.0, budget="-"), row("0", "ce", 2.2), row("0", "recipe", 2.1, diff=-0.1),
+            row("0", "recipe", 9.0, prompts="gsm8k", diff=5.0), row("0", "recipe", 9.0, budget="wall", diff=5.0)]
+    table = study.compact_table(rows, "ce")
+    assert "| arm | E[accepted] T=1 | tau T=0 |" in table and "| recipe | 1.300 [1.200, 1.400] | 2.100 [" in table
+    assert "| init | 1.000 [0.900, 1.100] | 2.000 [1.900, 2.100] |" in table
+    assert "| recipe | +0.100 [+0.050, +0.150] | -0.100 [-0.150, -0.050] |" in table
+    assert "| ce | +" not in table and "9.000" not in table and "+5.000" not in table
+
+
 def _compared(metric, arm, diff, low, high, prompts="all", budget="steps"):
     return {"metric": metric, "prompts": prompts, "budget": budget, "arm": arm,
             "vs_baseline": {"diff": diff, "diff_ci95": [low, high]}}
