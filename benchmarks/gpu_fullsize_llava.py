@@ -93,7 +93,8 @@ def build(folder: Path, size: str, device: str) -> dict:
 
 
 def nvidia_smi_index(device: str) -> str:
-    """nvidia-smi's index of torch's `device` (cuda:N), which counts only the GPUs CUDA_VISIBLE_DEVICES shows."""
+    """nvidia-smi's index of torch's `device` (cuda:N), which counts only the GPUs CUDA_VISIBLE_DEVICES shows
+    (the two orders agree with CUDA_DEVICE_ORDER=PCI_BUS_ID, or on a machine of one GPU model)."""
     index = torch.device(device).index or 0
     visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
     return visible[index] if index < len(visible) else str(index)
@@ -112,7 +113,7 @@ class PeakMemory:
         while not self._stop.wait(0.25):
             query = ["nvidia-smi", "-i", self.gpu, "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
             out = subprocess.run(query, capture_output=True, text=True, check=False).stdout.split()
-            if out:
+            if out and out[0].isdigit():  # not "No devices were found"
                 self.peak_mib = max(self.peak_mib, int(out[0]))
 
     def __enter__(self):

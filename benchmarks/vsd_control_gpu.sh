@@ -1,5 +1,5 @@
 #!/bin/bash
-# The synthetic control (benchmarks/vsd_control.py) at 3 seeds x 6 arms on one CUDA GPU, one process per run.
+# The synthetic control (benchmarks/vsd_control.py) at 3 seeds x 8 arms on one CUDA GPU, one process per run.
 #   [RUNS="0:ce-greedy 1:vsd ..."] [DEVICE=cuda] [PYTHON=python3] \
 #       bash benchmarks/vsd_control_gpu.sh SRC OUT [KEY=VALUE...]
 # SRC holds what the CPU made once (the trained target-*, data-*.jsonl and the drafter-init-* of each seed), so
@@ -9,7 +9,7 @@ set -u
 src=${1:?SRC: the folder with the target, data and initial drafters}
 out=${2:?OUT: the working folder}
 shift 2
-for run in ${RUNS:-$(for s in 0 1 2; do printf '%s ' $s:{ce-greedy,ce-sample,vsd,ce+vsd,accept,ce+accept}; done)}; do
+for run in ${RUNS:-$(for s in 0 1 2; do printf '%s ' $s:{ce-greedy,ce-sample,vsd,ce+vsd,accept,ce+accept,vsd-rloo,ce+vsd-rloo}; done)}; do
   seed=${run%%:*} arm=${run#*:}
   {
     dir="$out/s$seed-${arm//+/_}"  # no "+" in paths: `--data` reads "a+b" as two datasets

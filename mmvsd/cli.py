@@ -94,7 +94,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train a drafter (objectives ce, vsd, vsd-kl, ce+vsd)",
+    p = sub.add_parser("train", help="train a drafter (objectives: ce, vsd, accept, ...)",
                        description="Train a drafter. Settings: defaults < --config YAML < flags < key=value.")
     p.add_argument("--target", help="built-in name, local folder, .gguf file or HF id")
     p.add_argument("--drafter", help="drafter architecture (default eagle3)")

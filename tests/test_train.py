@@ -44,7 +44,8 @@ def train_cli(capsys, target: Path, data: Path, out: Path, *extra: str) -> tuple
     return code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize("objective", ["ce", "vsd", "vsd-kl", "ce+vsd", "accept", "ce+accept"])
+@pytest.mark.parametrize("objective", ["ce", "vsd", "vsd-kl", "ce+vsd", "accept", "ce+accept", "vsd-rloo",
+                                       "ce+vsd-rloo"])
 def test_two_step_train_then_generate(setup, tmp_path, capsys, objective):
     target, data = setup
     code, err = train_cli(capsys, target, data, tmp_path / "out", "--objective", objective, "max_steps=2")
@@ -333,9 +334,10 @@ def test_a_checkpoint_from_before_a_setting_existed_reads_it_as_its_default(tmp_
     config = TrainConfig()
     old = config.to_dict()
     del old["loss"]["rloo_weight"], old["loss"]["rloo_score"]
+    old["loss"]["a_removed_setting"] = old["a_removed_setting"] = 1  # what this version no longer has: not compared
     (tmp_path / "train_config.yaml").write_text(yaml.safe_dump(old))
     trainer.check_resume_config(tmp_path, config)
     old["loss"]["num_samples"] += 1
     (tmp_path / "train_config.yaml").write_text(yaml.safe_dump(old))
-    with pytest.raises(UserError, match="settings differ"):
+    with pytest.raises(UserError, match=r"settings differ \(loss.num_samples: 41 -> 40\)"):
         trainer.check_resume_config(tmp_path, config)

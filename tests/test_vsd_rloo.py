@@ -131,3 +131,17 @@ def test_two_contexts_rloo_finds_what_exact_acceptance_finds():
     assert rloo.exp()[0] > 0.8
     assert expected_accepted_length(rloo) > 1.2 * expected_accepted_length(ce)
     assert expected_accepted_length(rloo) == pytest.approx(expected_accepted_length(accept), rel=0.05)
+
+
+def test_the_loss_is_the_mean_over_the_anchors_that_have_a_prefix():
+    """An anchor with every prefix padded (an unused anchor of a short row) neither counts nor moves the mean."""
+    gen = torch.Generator().manual_seed(1)
+    target = torch.log_softmax(torch.randn(3, 4, 2, 5, generator=gen), -1)[..., 0]  # [A=3, S=4, L=2]
+    draft = torch.log_softmax(torch.randn(3, 4, 2, 5, generator=gen), -1)[..., 0]
+    mask = torch.ones(3, 4, 2, dtype=torch.bool)
+    mask[1] = False
+    mask[2, :, 1] = False  # the third anchor's path ends after one token
+    loss, metrics = rloo_surrogate(target, draft, mask)
+    alone = [rloo_surrogate(target[a:a + 1], draft[a:a + 1], mask[a:a + 1])[0] for a in (0, 2)]
+    torch.testing.assert_close(loss, (alone[0] + alone[1]) / 2)
+    assert metrics["num_anchors_used"] == 2

@@ -14,7 +14,8 @@ An objective is a weighted sum of terms (docs/training.md, "Objectives", has the
              token the drafter samples is accepted, along the same unroll, no sampling.
     vsd_rloo VSD's proposals without its binary oracle: S drafted paths per anchor, each prefix scored by
              kappa (its acceptance probability) against the mean of the other S-1 (a leave-one-out
-             baseline); an unbiased gradient of the expected accepted length of the drafter's own chains.
+             baseline); with loss.rloo_score=kappa an unbiased gradient of the expected accepted length of
+             the drafter's own chains.
 Objectives (TERM_WEIGHTS):
     ce       ce alone (the baseline).
     vsd      vsd alone: an ABLATION (the ELBO without its KL half), never "VSD" as the paper trains it.

@@ -175,23 +175,27 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
 
 
 def check_resume_config(checkpoint: Path, config: TrainConfig) -> None:
-    """Refuse to resume a checkpoint made with different training settings. A setting the checkpoint's version
-    of mmvsd did not have yet reads as its default (what that version did)."""
-    saved = with_defaults(yaml.safe_load((checkpoint / "train_config.yaml").read_text()), TrainConfig().to_dict())
-    current = config.to_dict()
-    changed = sorted(k for k in current if k not in RESUMABLE_CHANGES | BATCH_KEYS and saved.get(k) != current[k])
+    """Refuse to resume a checkpoint made with different training settings (compared key by key, `loss.*` too).
+    A setting the checkpoint's version of mmvsd did not have yet reads as its default, so a new setting's default
+    must be what mmvsd did before it existed; a saved setting this version no longer has is not compared."""
+    written = yaml.safe_load((checkpoint / "train_config.yaml").read_text())
+    saved = {**dotted(TrainConfig().to_dict()), **dotted(written)}
+    current = dotted(config.to_dict())
+    changed = [k for k in current if k not in RESUMABLE_CHANGES | BATCH_KEYS and saved.get(k) != current[k]]
     if changed:
         details = ", ".join(f"{k}: {saved.get(k)!r} -> {current[k]!r}" for k in changed)
         raise UserError(f"cannot resume {checkpoint}: settings differ ({details})")
 
 
-def with_defaults(saved: dict, defaults: dict) -> dict:
-    """`saved` with every key it lacks, at any depth, taken from `defaults`."""
-    merged = {**defaults, **saved}
-    for key, value in defaults.items():
-        if isinstance(value, dict) and isinstance(saved.get(key), dict):
-            merged[key] = with_defaults(saved[key], value)
-    return merged
+def dotted(settings: dict, prefix: str = "") -> dict:
+    """A nested settings dict flattened to dotted keys (`loss.num_samples`)."""
+    flat = {}
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            flat.update(dotted(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def check_resume_split(checkpoint: Path, saved: TrainState, split: BatchSplit, sharded: bool) -> None:

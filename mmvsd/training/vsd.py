@@ -42,7 +42,7 @@ def path_log_kappa(
     """
     log_alpha = (target_token_logprobs - draft_token_logprobs).clamp(max=0.0)  # log min(1, p/q)
     if mask is not None:
-        log_alpha = log_alpha * mask.to(log_alpha.dtype)
+        log_alpha = log_alpha.masked_fill(~mask.bool(), 0.0)  # not a product: -inf * 0 would be NaN
     return log_alpha.cumsum(-1)
 
 
@@ -138,7 +138,7 @@ def leave_one_out_acceptance(
     final_oracle    [A, S, (L)]: o' (default all ones); masked entries must be 0
     returns         [A, S, (L)], detached, in [0, 1]
     """
-    return leave_one_out_mean(proposal_passed.float(), final_oracle, sample_dim=sample_dim)
+    return leave_one_out_mean(proposal_passed, final_oracle, sample_dim=sample_dim)
 
 
 CAR_NORMALISATIONS = ("sum", "mean")
