@@ -229,7 +229,7 @@ def test_sampled_tree_decoding_with_images_runs(fitted, mild_llava, mm_data, nam
     assert all(len(r.output_ids) > 0 for r in results)
 
 
-@pytest.mark.parametrize("objective", ["ce", "vsd", "vsd-kl"])
+@pytest.mark.parametrize("objective", ["ce", "vsd", "vsd-kl", "accept", "vsd-rloo"])
 @pytest.mark.parametrize("name", ["msd", "vispec"])
 def test_drafters_train_on_image_conversations(llava_dir, llava_target, tmp_path, name, objective):
     data = write_image_conversations(llava_target, tmp_path, answers_from_target=False)
