@@ -341,3 +341,8 @@ def test_a_checkpoint_from_before_a_setting_existed_reads_it_as_its_default(tmp_
     (tmp_path / "train_config.yaml").write_text(yaml.safe_dump(old))
     with pytest.raises(UserError, match=r"settings differ \(loss.num_samples: 41 -> 40\)"):
         trainer.check_resume_config(tmp_path, config)
+
+
+def test_the_progress_bar_shows_what_the_objective_computes():
+    shown = trainer._postfix({"loss": 1.0, "acc_0": 0.5, "accept": 1.25, "rloo_score": 2.5, "ce": 3.0})
+    assert shown == {"loss": "1.000", "acc": "0.500", "accept": "1.250", "rloo": "2.500"}

@@ -427,7 +427,8 @@ def dataset_image_root(image_root: str, path: Path) -> Path:
 
 
 def _postfix(metrics: dict[str, float], monitor=None) -> dict[str, str]:
-    names = {"loss": "loss", "acc_0": "acc", "oracle_pass_rate": "pass", "mean_beta": "beta"}
+    names = {"loss": "loss", "acc_0": "acc", "oracle_pass_rate": "pass", "mean_beta": "beta", "accept": "accept",
+             "rloo_score": "rloo"}
     shown = {short: f"{metrics[key]:.3f}" for key, short in names.items() if key in metrics}
     if monitor is not None and monitor.last_report is not None:
         shown["tau"] = f"{monitor.last_report.tau:.2f}"
