@@ -12,7 +12,16 @@ from test_objectives import setup
 
 from mmvsd.training.estep import sample_proposals
 from mmvsd.training.objectives import ObjectiveConfig, make_objective
-from mmvsd.training.vsd import leave_one_out_mean, rloo_surrogate
+from mmvsd.training.vsd import (
+    car_weights,
+    leave_one_out_acceptance,
+    leave_one_out_mean,
+    length_weights,
+    oracle,
+    path_log_kappa,
+    rloo_surrogate,
+    vsd_surrogate,
+)
 
 VOCAB, NUM_SAMPLES = 3, 3
 
@@ -123,14 +132,50 @@ def fit_rloo(steps: int = 3000, num_samples: int = 8) -> torch.Tensor:
     return torch.log_softmax(logits.detach(), -1)
 
 
+def fit_binary_oracle_vsd(steps: int = 3000, num_samples: int = 8, alpha: float = 0.1) -> torch.Tensor:
+    """The same drafter trained with the paper's recipe, ce + alpha * vsd: per anchor S proposals from q and S
+    corrections from the anchor's context, the oracle against the context's greedy token, ARW and CAR."""
+    p1, p2 = two_context_targets()
+    target = torch.stack([p1] * 6 + [p2] * 4)  # [A, V]
+    logits = torch.zeros(6, requires_grad=True)
+    optimizer = torch.optim.Adam([logits], lr=0.05)
+    gen = torch.Generator().manual_seed(0)
+    greedy = target.argmax(-1, keepdim=True)  # [A, 1]
+    for _ in range(steps):
+        logq = torch.log_softmax(logits, -1)
+        proposals = torch.multinomial(logq.detach().exp(), 10 * num_samples, replacement=True, generator=gen)
+        proposals = proposals.view(10, num_samples)
+        corrections = torch.multinomial(target, num_samples, replacement=True, generator=gen)  # [A, S]
+
+        def log_kappa(ids):
+            return path_log_kappa(target.log().gather(1, ids)[..., None], logq.detach()[ids][..., None])
+
+        weights = length_weights(1)
+        reference = log_kappa(greedy)[:, 0]  # [A, 1]
+        proposal_oracle = oracle(log_kappa(proposals), reference, weights, ties=(proposals == greedy)[..., None])
+        correction_oracle = oracle(log_kappa(corrections), reference, weights, ties=(corrections == greedy)[..., None])
+        passed = proposal_oracle > 0
+        final_oracle = torch.where(passed, proposal_oracle, correction_oracle)
+        proposal_lps = logq[proposals][..., None]
+        final_lps = torch.where(passed, proposal_lps, logq[corrections][..., None])
+        vsd, _ = vsd_surrogate(final_lps, proposal_lps, final_oracle=final_oracle, proposal_passed=passed,
+                               beta=leave_one_out_acceptance(passed, final_oracle), zeta=car_weights(proposal_lps))
+        ce = -(0.6 * (p1 * logq).sum() + 0.4 * (p2 * logq).sum())
+        optimizer.zero_grad()
+        (ce + alpha * vsd).backward()
+        optimizer.step()
+    return torch.log_softmax(logits.detach(), -1)
+
+
 def test_two_contexts_rloo_finds_what_exact_acceptance_finds():
     """On the two contexts a drafter cannot tell apart, the sampled estimator climbs to the optimum the exact
     `accept` objective reaches (q's mass on the majority context's mode), well past cross-entropy's mixture,
     where the binary-oracle VSD settles with CE (issue 33's controlled case)."""
-    rloo, accept, ce = fit_rloo(), fit("accept"), fit("ce")
+    rloo, accept, ce, recipe = fit_rloo(), fit("accept"), fit("ce"), fit_binary_oracle_vsd()
     assert rloo.exp()[0] > 0.8
     assert expected_accepted_length(rloo) > 1.2 * expected_accepted_length(ce)
     assert expected_accepted_length(rloo) == pytest.approx(expected_accepted_length(accept), rel=0.05)
+    assert expected_accepted_length(recipe) == pytest.approx(expected_accepted_length(ce), rel=0.05)
 
 
 def test_the_loss_is_the_mean_over_the_anchors_that_have_a_prefix():
