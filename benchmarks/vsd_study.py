@@ -434,10 +434,15 @@ def markdown_table(rows: list[dict], baseline: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def pooled_prompts(rows: list[dict]) -> str:
+    """The prompt group a verdict or summary reads: every prompt set pooled ("all"), or the only set there is."""
+    return "all" if any(r["prompts"] == "all" for r in rows) else rows[0]["prompts"]
+
+
 def compact_table(rows: list[dict], baseline: str, budget: str = "steps") -> str:
     """The pooled prompts at `budget` in two small tables: each arm's value per metric, then each arm minus
     `baseline` (95% intervals: seeds, then prompts)."""
-    pooled = "all" if any(r["prompts"] == "all" for r in rows) else rows[0]["prompts"]
+    pooled = pooled_prompts(rows)
     mine = [r for r in rows if r["prompts"] == pooled and r["budget"] in (budget, "-")]
     metrics = list(dict.fromkeys(r["metric"] for r in mine))
     arms = list(dict.fromkeys(r["arm"] for r in mine))
@@ -495,7 +500,7 @@ def decide(rows: list[dict], primary: str = "accept", guard: str = "0", budget: 
     when its `primary` difference's interval lies above 0 and its `guard` (T = 0 tau) difference's does not lie
     below 0; the winner is the beating arm with the largest `primary` difference (None: no arm beats it). None
     when the study lacks either metric."""
-    pooled = "all" if any(r["prompts"] == "all" for r in rows) else rows[0]["prompts"]
+    pooled = pooled_prompts(rows)
     found = {(r["metric"], r["arm"]): r["vs_baseline"] for r in rows
              if r["prompts"] == pooled and r["budget"] == budget and "vs_baseline" in r}
     arms = sorted({arm for metric, arm in found if metric == primary})

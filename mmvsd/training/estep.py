@@ -314,11 +314,23 @@ class EStepPaths:
     greedy_ids: Tensor | None = None  # [B*A, L] target ids of z_bar
 
 
+def _anchored(target: Target, batch: FeatureBatch, num_anchors: int,
+              generator: torch.Generator) -> tuple[RaggedCache, Tensor, Tensor]:
+    """The target's KV cache of the batch (captured with the features, else computed) and the random anchors
+    [B, A] with their validity, where every E-step begins."""
+    cache = batch.target_cache if batch.target_cache is not None else prefix_cache(target, batch.tokens)
+    return (cache, *choose_anchors(batch.tokens, num_anchors, generator))
+
+
+def _sample_mask(batch: FeatureBatch, anchors: Tensor, anchor_valid: Tensor, paths: Tensor) -> Tensor:
+    """`path_mask` for every sample of `paths` [B, A, S, L], per anchor [B*A, S, L]."""
+    return _per_anchor(path_mask(batch.tokens, anchors, anchor_valid, paths.shape[-1])[:, :, None].expand_as(paths))
+
+
 def run_estep(drafter: Drafter, target: Target, batch: FeatureBatch, num_anchors: int, num_samples: int,
               path_length: int, generator: torch.Generator, greedy_full_vocab: bool = False) -> EStepPaths:
     """Anchors, target rollouts, drafter pass and packed scoring (module docstring)."""
-    cache = batch.target_cache if batch.target_cache is not None else prefix_cache(target, batch.tokens)
-    anchors, anchor_valid = choose_anchors(batch.tokens, num_anchors, generator)
+    cache, anchors, anchor_valid = _anchored(target, batch, num_anchors, generator)
     target_to_draft = target_to_draft_ids(drafter, target.vocab_size)
     corrections, greedy = target_rollouts(target, cache, batch, anchors, target_to_draft >= 0, num_samples,
                                           path_length, generator, greedy_full_vocab)
@@ -332,8 +344,7 @@ def run_estep(drafter: Drafter, target: Target, batch: FeatureBatch, num_anchors
         correction_draft_lps=_per_anchor(drafted.teacher_logprobs[:, :, :num_samples]),
         greedy_target_lps=_per_anchor(greedy.target_logprobs)[:, 0],
         greedy_draft_lps=_per_anchor(drafted.teacher_logprobs[:, :, num_samples:]).detach()[:, 0],
-        mask=_per_anchor(path_mask(batch.tokens, anchors, anchor_valid, path_length)[:, :, None].expand_as(
-            drafted.proposals)),
+        mask=_sample_mask(batch, anchors, anchor_valid, drafted.proposals),
         step0_hidden=drafted.step0_hidden,
         proposal_ids=_per_anchor(drafted.proposals),
         correction_ids=_per_anchor(corrections.token_ids),
@@ -354,11 +365,10 @@ def sample_proposals(drafter: Drafter, target: Target, batch: FeatureBatch, num_
                      path_length: int, generator: torch.Generator) -> ProposalPaths:
     """The proposals half of `run_estep` (no target rollouts, no z_bar): S drafted paths per anchor and their
     target log-probabilities from one packed forward."""
-    cache = batch.target_cache if batch.target_cache is not None else prefix_cache(target, batch.tokens)
-    anchors, anchor_valid = choose_anchors(batch.tokens, num_anchors, generator)
+    cache, anchors, anchor_valid = _anchored(target, batch, num_anchors, generator)
     none_given = anchors.new_zeros(*anchors.shape, 0, path_length)
     drafted = draft_pass(drafter, batch, anchors, none_given, target_to_draft_ids(drafter, target.vocab_size),
                          num_samples, path_length, generator)
     target_lps = score_paths_packed(target, cache, batch, anchors, drafted.proposals)
-    mask = path_mask(batch.tokens, anchors, anchor_valid, path_length)[:, :, None].expand_as(drafted.proposals)
-    return ProposalPaths(_per_anchor(target_lps), _per_anchor(drafted.proposal_logprobs), _per_anchor(mask))
+    return ProposalPaths(_per_anchor(target_lps), _per_anchor(drafted.proposal_logprobs),
+                         _sample_mask(batch, anchors, anchor_valid, drafted.proposals))
