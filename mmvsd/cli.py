@@ -100,7 +100,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--drafter", help="drafter architecture (default eagle3)")
     p.add_argument("--init", help="none (default) | a drafter folder | a released layout (eagle3) | LAYOUT:PATH")
     p.add_argument("--objective",
-                   help="ce (default) | vsd | vsd-kl | ce+vsd | accept | ce+accept | vsd-rloo | ce+vsd-rloo")
+                   help="ce+accept (default) | ce | vsd | vsd-kl | ce+vsd | accept | vsd-rloo | ce+vsd-rloo")
     p.add_argument("--data", help="sharegpt (default), sharegpt:PATH, llava-instruct:PATH or a JSON/JSONL file")
     p.add_argument("--output", help="output folder: becomes a drafter folder for `mmvsd generate --drafter`")
     p.add_argument("--config", help="YAML file of TrainConfig settings (see configs/)")

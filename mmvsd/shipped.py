@@ -249,19 +249,27 @@ TAU_KEY = re.compile(r"(?P<bench>.+?)_(?P<count>\d+)_(?P<unit>prompts|first_turn
 
 
 def _tau_text(tau) -> str:
-    """A manifest's tau in one short line: per benchmark, then the conditions they share, said once."""
+    """A manifest's tau in one short line: per benchmark, with the conditions (tokens, tree, temperature) that
+    differ between its entries, then the ones they share, said once."""
     if not isinstance(tau, dict):
         return f"{tau:.2f}" if isinstance(tau, (int, float)) else str(tau or "-")
-    entries, counts, conditions = [], set(), set()
+    entries, counts = [], set()
     for key, value in tau.items():
         match = TAU_KEY.match(key)
         text = f"{value:.2f}" if isinstance(value, (int, float)) else str(value)
-        entries.append((match["bench"] if match else key, text, match and match["count"]))
+        conditions = ((f"{match['tokens']} tokens", f"tree {match['tree']}", match["temperature"])
+                      if match and match["tokens"] else ())
+        entries.append((match["bench"] if match else key, text, match and match["count"], conditions))
         if match:
             counts.add(f"{match['count']} {match['unit'].replace('_', ' ')}")
-            if match["tokens"]:
-                conditions.add(f"{match['tokens']} tokens, tree {match['tree']}, {match['temperature']}")
+    measured = [conditions for *_, conditions in entries if conditions]
+    varying = [len(set(column)) > 1 for column in zip(*measured, strict=True)]
     same_count = len(counts) == 1
-    parts = [f"{name} {text}" + (f" ({count})" if count and not same_count else "") for name, text, count in entries]
-    shared = ([f"{counts.pop()} each"] if same_count else []) + (list(conditions) if len(conditions) == 1 else [])
+    parts = []
+    for name, text, count, conditions in entries:
+        own = [c for c, varies in zip(conditions, varying, strict=False) if varies]
+        parts.append(" ".join([name, *own, text]) + (f" ({count})" if count and not same_count else ""))
+    shared_conditions = [c for c, varies in zip(measured[0], varying, strict=True) if not varies] if measured else []
+    shared = ([f"{counts.pop()} each"] if same_count else []) + ([", ".join(shared_conditions)] if shared_conditions
+                                                                  else [])
     return ", ".join(parts) + (f" ({'; '.join(shared)})" if shared else "")

@@ -52,6 +52,36 @@ def test_ce_plus_accept_is_ce_plus_weighted_accept(tiny_target):
     torch.testing.assert_close(both, ce + 0.5 * accept)
 
 
+def test_ce_plus_accept_runs_the_drafter_once_with_the_separate_terms_gradient(tiny_target, monkeypatch):
+    """The terms share one unroll and one draft-LM-head pass per step (`objectives.Unroll`), and the shared pass
+    gives the very gradient of the two terms computed apart."""
+    batch, drafter = setup(tiny_target)
+    config = ObjectiveConfig(ttt_steps=3, accept_weight=0.5)
+    generator = torch.Generator().manual_seed(0)
+
+    def grads(objective):
+        drafter.zero_grad()
+        loss, _ = make_objective(objective, config)(drafter, tiny_target, batch, generator)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in drafter.parameters() if p.grad is not None]
+
+    ce_loss, ce_grads = grads("ce")
+    accept_loss, accept_grads = grads("accept")
+    calls = {"read_target": 0, "draft_logprobs": 0}
+    for name in calls:
+        method = getattr(drafter, name)
+
+        def counted(*args, _method=method, _name=name, **kwargs):
+            calls[_name] += 1
+            return _method(*args, **kwargs)
+        monkeypatch.setattr(drafter, name, counted)
+    both_loss, both_grads = grads("ce+accept")
+    assert calls == {"read_target": 1, "draft_logprobs": 3}  # one unroll, one head pass per step
+    torch.testing.assert_close(both_loss, ce_loss + 0.5 * accept_loss)
+    for both, ce, accept in zip(both_grads, ce_grads, accept_grads, strict=True):
+        torch.testing.assert_close(both, ce + 0.5 * accept)
+
+
 def two_context_targets(vocab: int = 6, mode: float = 0.85) -> tuple[torch.Tensor, torch.Tensor]:
     """Two contexts the drafter cannot tell apart (60% and 40% of the data), each with its own 0.85 mode."""
     rest = (1 - mode) / (vocab - 1)

@@ -155,3 +155,7 @@ def test_the_listing_names_benchmarks_and_says_shared_conditions_once():
     assert shipped._tau_text(mixed) == ("chartqa_mini_long 3.84 (30), all_six_tasks 3.77 (180) "
                                         "(256 tokens, tree 60/5/8, T0)")
     assert shipped._tau_text({"custom key": "pending"}) == "custom key pending" and shipped._tau_text(1.234) == "1.23"
+    both = {"mt_bench_80_first_turns_128_tokens_60/7/10_T0": 1.95, "gsm8k_80_prompts_128_tokens_60/7/10_T0": 2.14,
+            "mt_bench_20_first_turns_128_tokens_60/7/10_T1": 1.56}  # what differs is said per entry
+    assert shipped._tau_text(both) == ("mt_bench T0 1.95 (80), gsm8k T0 2.14 (80), mt_bench T1 1.56 (20) "
+                                       "(128 tokens, tree 60/7/10)")

@@ -151,24 +151,56 @@ def draft_vocab_logits(target: Target, drafter: Drafter, target_hidden: Tensor) 
     return logits[..., drafter.draft_vocab_target_ids()].float(), in_vocab[logits.argmax(-1)]
 
 
+class Unroll:
+    """One batch through the training-time test, shared by the terms that read it (ce, accept, topk_kl): an
+    objective of several of them runs the drafter's unroll and LM head once. Step i at anchor t predicts token
+    t+2+i; `label_mask(i)` marks the anchors whose label is a loss token, `draft_logprobs(i, n)` holds the
+    drafter's log-probabilities there (rows in the mask's order)."""
+
+    def __init__(self, drafter: Drafter, batch: FeatureBatch) -> None:
+        self.drafter = drafter
+        self.batch = batch
+        self._hiddens: list[Tensor] = []
+        self._logprobs: dict[int, Tensor] = {}
+
+    def hiddens(self, num_steps: int) -> list[Tensor]:
+        """The hidden outputs [B, T, H] of the first `num_steps` steps (a longer unroll's prefix: step i reads
+        no later step, so the first steps of any unroll are the same)."""
+        if len(self._hiddens) < num_steps:
+            features, next_ids, media = draft_step0_inputs(self.drafter, self.batch)
+            self._hiddens = unroll_draft_steps(self.drafter, features, next_ids, num_steps, media)
+            self._logprobs.clear()
+        return self._hiddens[:num_steps]
+
+    def label_mask(self, step: int) -> Tensor:
+        """[B, T] whether token t+2+step, step `step`'s label at anchor t, is a loss token."""
+        return shifted(self.batch.tokens.loss_mask, step + 2, False)
+
+    def draft_logprobs(self, step: int, num_steps: int) -> Tensor:
+        """[N, Vd] the drafter's log-probabilities at step `step` of a `num_steps` unroll over the N anchors of
+        `label_mask(step)` (only the positions that count go through the draft LM head)."""
+        hidden = self.hiddens(num_steps)[step]
+        if step not in self._logprobs:
+            self._logprobs[step] = self.drafter.draft_logprobs(hidden[self.label_mask(step)])
+        return self._logprobs[step]
+
+
 def ce_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: ObjectiveConfig,
-            mean: Mean = batch_mean) -> tuple[Tensor, Metrics]:
+            mean: Mean = batch_mean, unroll: Unroll | None = None) -> tuple[Tensor, Metrics]:
     """EAGLE-3 training-time test with soft labels and per-step top-1 accuracy (`mean`: over this batch's
     positions, or over every process's, mmvsd.training.distributed)."""
-    tokens = batch.tokens
-    features, next_ids, media = draft_step0_inputs(drafter, batch)
-    hiddens = unroll_draft_steps(drafter, features, next_ids, config.ttt_steps, media)
+    unroll = unroll or Unroll(drafter, batch)
     # step i at anchor t predicts token t+2+i, whose target distribution sits at position t+1+i
     target_logits, top1_in_vocab = draft_vocab_logits(target, drafter, batch.target_hidden)  # [B, T, Vd], [B, T]
     total = torch.zeros((), device=target_logits.device)
     metrics: Metrics = {}
-    for step, hidden in enumerate(hiddens):
-        mask = shifted(tokens.loss_mask, step + 2, False) & shifted(top1_in_vocab, step + 1, False)
-        # only the positions that count go through the draft LM head (prompts and image spans do not)
-        step_logits = shifted(target_logits, step + 1)[mask]  # [N, Vd]
-        draft_logprobs = drafter.draft_logprobs(hidden[mask])  # [N, Vd]
+    for step in range(config.ttt_steps):
+        label = unroll.label_mask(step)
+        counted = shifted(top1_in_vocab, step + 1, False)  # a target top-1 outside the draft vocabulary: no label
+        step_logits = shifted(target_logits, step + 1)[label & counted]  # [N, Vd]
+        draft_logprobs = unroll.draft_logprobs(step, config.ttt_steps)[counted[label]]  # [N, Vd]
         soft_ce = -(torch.softmax(step_logits, -1) * draft_logprobs).sum(-1)  # [N]
-        count = mask.sum()
+        count = (label & counted).sum()
         total = total + config.ttt_decay**step * mean(soft_ce.sum(), count)
         correct = draft_logprobs.argmax(-1) == step_logits.argmax(-1)
         metrics[f"acc_{step}"] = float(mean(correct.sum().float(), count))
@@ -244,22 +276,22 @@ def vsd_rloo_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config:
 
 
 def topk_kl_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: ObjectiveConfig,
-                 mean: Mean = batch_mean) -> tuple[Tensor, Metrics]:
+                 mean: Mean = batch_mean, unroll: Unroll | None = None) -> tuple[Tensor, Metrics]:
     """sum_i ttt_decay^i * mean top-K renormalised KL at unrolled step i (every step, or step 0 only).
 
     Step i at anchor t predicts token t+2+i, whose target distribution sits at position t+1+i, at
     the positions whose token t+2+i is a loss token (the same unrolling and decay as `ce`).
     """
+    unroll = unroll or Unroll(drafter, batch)
     num_steps = config.ttt_steps if config.kl_depth == "all" else 1
-    features, next_ids, media = draft_step0_inputs(drafter, batch)
-    hiddens = unroll_draft_steps(drafter, features, next_ids, num_steps, media)
     target_logits, _ = draft_vocab_logits(target, drafter, batch.target_hidden)  # [B, T, Vd]
     total = torch.zeros((), device=target_logits.device)
     metrics: Metrics = {}
-    for step, hidden in enumerate(hiddens):
-        mask = shifted(batch.tokens.loss_mask, step + 2, False)
-        kl = topk_renormalised_kl(shifted(target_logits, step + 1), drafter.draft_logprobs(hidden), config.kl_topk)
-        step_kl = mean((kl * mask).sum(), mask.sum())
+    for step in range(num_steps):
+        label = unroll.label_mask(step)
+        kl = topk_renormalised_kl(shifted(target_logits, step + 1)[label], unroll.draft_logprobs(step, num_steps),
+                                  config.kl_topk)  # [N]
+        step_kl = mean(kl.sum(), label.sum())
         total = total + config.ttt_decay**step * step_kl
         metrics[f"topk_kl_{step}"] = float(step_kl.detach())
     metrics["topk_kl"] = float(total.detach())
@@ -273,31 +305,30 @@ def acceptance(target_probs: Tensor, draft_logprobs: Tensor) -> Tensor:
     return torch.minimum(target_probs, draft_logprobs.exp()).sum(-1)
 
 
-def step_acceptance(drafter: Drafter, target: Target, batch: FeatureBatch,
-                    num_steps: int) -> list[tuple[Tensor, Tensor]]:
+def step_acceptance(drafter: Drafter, target: Target, batch: FeatureBatch, num_steps: int,
+                    unroll: Unroll | None = None) -> list[tuple[Tensor, Tensor]]:
     """Per unrolled step i: (acceptance [B, T] of the drafter's distribution at anchor t for token t+2+i against
     the target's at position t+1+i, whether token t+2+i is a loss token [B, T]); the unroll of `ce`."""
-    features, next_ids, media = draft_step0_inputs(drafter, batch)
-    hiddens = unroll_draft_steps(drafter, features, next_ids, num_steps, media)
+    unroll = unroll or Unroll(drafter, batch)
     full = torch.log_softmax(target.float_logits(batch.target_hidden), dim=-1)  # [B, T, V]
     target_probs = full[..., drafter.draft_vocab_target_ids()].exp()  # [B, T, Vd], not renormalised
     steps = []
-    for step, hidden in enumerate(hiddens):
-        mask = shifted(batch.tokens.loss_mask, step + 2, False)
+    for step in range(num_steps):
+        mask = unroll.label_mask(step)
         rates = torch.zeros(mask.shape, dtype=target_probs.dtype, device=target_probs.device)
-        rates[mask] = acceptance(shifted(target_probs, step + 1)[mask], drafter.draft_logprobs(hidden[mask])).to(
+        rates[mask] = acceptance(shifted(target_probs, step + 1)[mask], unroll.draft_logprobs(step, num_steps)).to(
             rates.dtype)
         steps.append((rates, mask))
     return steps
 
 
 def accept_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: ObjectiveConfig,
-                mean: Mean = batch_mean) -> tuple[Tensor, Metrics]:
+                mean: Mean = batch_mean, unroll: Unroll | None = None) -> tuple[Tensor, Metrics]:
     """- sum_i ttt_decay^i * mean acceptance at unrolled step i (the positions and unroll of `ce`, every loss
     position: a target top-1 outside the draft vocabulary is a token the drafter cannot propose, and counts)."""
     total = torch.zeros((), device=batch.target_hidden.device)
     metrics: Metrics = {}
-    for step, (rates, mask) in enumerate(step_acceptance(drafter, target, batch, config.ttt_steps)):
+    for step, (rates, mask) in enumerate(step_acceptance(drafter, target, batch, config.ttt_steps, unroll)):
         step_rate = mean(rates[mask].sum(), mask.sum())
         total = total - config.ttt_decay**step * step_rate
         metrics[f"accept_{step}"] = float(step_rate.detach())
@@ -305,19 +336,27 @@ def accept_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: O
     return total, metrics
 
 
-def _ce_term(drafter, target, batch, config, generator, mean):
-    return ce_loss(drafter, target, batch, config, mean)
+def _ce_term(drafter, target, batch, config, generator, mean, unroll):
+    return ce_loss(drafter, target, batch, config, mean, unroll)
 
 
-def _kl_term(drafter, target, batch, config, generator, mean):
-    return topk_kl_loss(drafter, target, batch, config, mean)
+def _kl_term(drafter, target, batch, config, generator, mean, unroll):
+    return topk_kl_loss(drafter, target, batch, config, mean, unroll)
 
 
-def _accept_term(drafter, target, batch, config, generator, mean):
-    return accept_loss(drafter, target, batch, config, mean)
+def _accept_term(drafter, target, batch, config, generator, mean, unroll):
+    return accept_loss(drafter, target, batch, config, mean, unroll)
 
 
-TERMS = {"ce": _ce_term, "vsd": vsd_loss, "topk_kl": _kl_term, "accept": _accept_term, "vsd_rloo": vsd_rloo_loss}
+def _vsd_term(drafter, target, batch, config, generator, mean, unroll):
+    return vsd_loss(drafter, target, batch, config, generator, mean)  # its own paths, not the unroll
+
+
+def _rloo_term(drafter, target, batch, config, generator, mean, unroll):
+    return vsd_rloo_loss(drafter, target, batch, config, generator, mean)
+
+
+TERMS = {"ce": _ce_term, "vsd": _vsd_term, "topk_kl": _kl_term, "accept": _accept_term, "vsd_rloo": _rloo_term}
 
 
 def make_objective(name: str, config: ObjectiveConfig) -> Objective:
@@ -331,10 +370,11 @@ def make_objective(name: str, config: ObjectiveConfig) -> Objective:
     def objective(drafter: Drafter, target: Target, batch: FeatureBatch, generator: torch.Generator,
                   mean: Mean = batch_mean):
         total, metrics = None, {}
+        unroll = Unroll(drafter, batch)  # computed once, read by every unrolled term
         for term, weight in weights.items():
             if weight == 0:
                 continue
-            value, term_metrics = TERMS[term](drafter, target, batch, config, generator, mean)
+            value, term_metrics = TERMS[term](drafter, target, batch, config, generator, mean, unroll)
             total = weight * value if total is None else total + weight * value
             metrics.update(term_metrics)
         return total, metrics
