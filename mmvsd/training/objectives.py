@@ -197,10 +197,11 @@ def ce_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: Objec
     for step in range(config.ttt_steps):
         label = unroll.label_mask(step)
         counted = shifted(top1_in_vocab, step + 1, False)  # a target top-1 outside the draft vocabulary: no label
-        step_logits = shifted(target_logits, step + 1)[label & counted]  # [N, Vd]
+        mask = label & counted
+        step_logits = shifted(target_logits, step + 1)[mask]  # [N, Vd]
         draft_logprobs = unroll.draft_logprobs(step, config.ttt_steps)[counted[label]]  # [N, Vd]
         soft_ce = -(torch.softmax(step_logits, -1) * draft_logprobs).sum(-1)  # [N]
-        count = (label & counted).sum()
+        count = mask.sum()
         total = total + config.ttt_decay**step * mean(soft_ce.sum(), count)
         correct = draft_logprobs.argmax(-1) == step_logits.argmax(-1)
         metrics[f"acc_{step}"] = float(mean(correct.sum().float(), count))
