@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_fullsize_llava.py --images IMAGES --out $OUT/full     # a GPU machine, 13B
     python benchmarks/gpu_fullsize_llava.py --images IMAGES --out $OUT/fp32 --dtype fp32 --steps 0  # equality
+    python benchmarks/gpu_fullsize_llava.py --images IMAGES --out $OUT/mem --objectives ce+vsd,ce --no-decode
     python benchmarks/gpu_fullsize_llava.py --images IMAGES --out /tmp/full --size tiny --device cpu  # dry check
 
 The real weights are not reachable from the lent machines (nothing outside them is, and at most 64 MiB travels),
@@ -12,7 +13,8 @@ token equality do. Each step runs through the command line as a user runs it:
 
 1. `mmvsd profile --drafter random`: a verify step's cost against the number of tree tokens, bf16;
 2. `mmvsd train --config llava_vispec_paper --drafter vispec` (the paper's `ce+vsd`, S = 40, L = 7) for a few
-   steps on IMAGES (a `llava_instruct.json` with its images): seconds per step and peak GPU memory;
+   steps on IMAGES (a `llava_instruct.json` with its images): seconds per step and peak GPU memory (one
+   drafter per `--objectives`: `ce+vsd,ce` shows what the VSD step adds);
 3. `mmvsd generate` on image prompts with `--drafter none`, the drafter of step 2 and `ngram`: every answer
    must equal vanilla's in the same precision, token for token (at bf16 only up to near-ties of the logits;
    `first_mismatch` gives the first new token that differs, counting from 1). `mmvsd bench --suite mllm` would
@@ -217,6 +219,10 @@ def main() -> int:
     parser.add_argument("--work", default=Path("/tmp/fullsize-llava"), type=Path, help="target and drafter folders")
     parser.add_argument("--steps", type=int, default=6, help="training steps (0: no training; decode with an "
                         "untrained drafter, `--drafter random`)")
+    parser.add_argument("--objectives", default="ce+vsd", help="train one drafter per objective (comma-separated; "
+                        "the first decodes): `ce+vsd,ce` sets the VSD step's memory beside CE's")
+    parser.add_argument("--no-decode", dest="decode", action="store_false",
+                        help="train only: no profile and no generate")
     parser.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"),
                         help="profile and decode in this precision (fp32: token-for-token equality is exact)")
     parser.add_argument("--prompts", type=int, default=3, help="image prompts decoded (the last of IMAGES)")
@@ -230,24 +236,28 @@ def main() -> int:
     report["build"] = build(target, args.size, args.device)
     print("build", json.dumps(report["build"]), flush=True)
     save(report, args.out)
-    report["profile"] = step("profile", ["profile", "--target", str(target), "--drafter", "random", "--refresh",
-                                         *device_args], args.out, args.device)
-    if report["profile"]["ok"]:
-        report["profile"].update(cost_tables((args.out / "profile.log").read_text()))
-    save(report, args.out)
-    if args.steps:
+    if args.decode:
+        report["profile"] = step("profile", ["profile", "--target", str(target), "--drafter", "random", "--refresh",
+                                             *device_args], args.out, args.device)
+        if report["profile"]["ok"]:
+            report["profile"].update(cost_tables((args.out / "profile.log").read_text()))
+        save(report, args.out)
+    drafters = []
+    for objective in args.objectives.split(",") if args.steps else []:
+        drafter = args.work / f"drafter-{objective.replace('+', '-')}"
         train = ["train", "--config", "llava_vispec_paper", "--target", str(target), "--init", "none",
                  "--data", f"llava-instruct:{args.images / 'llava_instruct.json'}", "--output", str(drafter),
                  "num_conversations=64", f"max_steps={args.steps}", "validation_fraction=0", "log_every=1",
-                 f"save_every={args.steps}", "progress=false", "warmup_ratio=0"]
+                 f"save_every={args.steps}", "progress=false", "warmup_ratio=0", f"objective={objective}"]
         if not gpu:
             train += ["batch_size=2", "precision=fp32"]
-        report["train"] = step("train", train, args.out, args.device)
-        if report["train"]["ok"]:
-            report["train"].update(train_steps(drafter))
-            save(report, args.out)
-    if report.get("train", {"ok": True})["ok"]:
-        report["generate"] = generate(target, str(drafter) if args.steps else "random", args, device_args)
+        row = report[f"train:{objective}"] = step(f"train-{objective}", train, args.out, args.device)
+        if row["ok"]:
+            row.update(train_steps(drafter))
+            drafters.append(drafter)
+        save(report, args.out)
+    if args.decode and len(drafters) == (len(args.objectives.split(",")) if args.steps else 0):
+        report["generate"] = generate(target, str(drafters[0]) if drafters else "random", args, device_args)
     report["ok"] = all(value["ok"] for value in report.values() if isinstance(value, dict))
     save(report, args.out)
     return 0 if report["ok"] else 1

@@ -83,6 +83,35 @@ def test_the_7b_plan_and_bad_input(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def plan_activations(tmp_path, capsys, objective: str) -> tuple[float, float]:
+    """(activations, E-step paths) in GB of the 13B paper plan at 8 x 864 tokens, the shape measured on an H200."""
+    assert main(["train", "--config", "llava_vispec_paper", "--target", "llava-1.5-13b", "--init", "none",
+                 "--output", str(tmp_path / "o"), "--dry-run", "batch_size=8", "max_length=864",
+                 f"objective={objective}"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if "1 GPU(s)" in line)
+    paths = re.search(r"E-step paths ~([\d.]+)", line)
+    return float(re.search(r"activations ~([\d.]+)", line)[1]), float(paths[1]) if paths else 0.0
+
+
+def test_the_plan_adds_the_vsd_e_step_s_paths(tmp_path, capsys):
+    """The E-step term from the paper recipe's shapes, written out: the drafter's pass kept for backward (its layer
+    over 8 x 864 positions, then 7 depths of 4 anchors x (40 proposals + 40 corrections + z_bar) per row) and the
+    13B target's scoring block (4 x 40 x 6 trie nodes per row: KV of 40 layers x 5120, fp32 log-probs over
+    32064)."""
+    layer = (12 * 5120 + 3 * 13824) * 2  # bf16
+    drafter_pass = 8 * 864 * layer + 8 * 4 * (40 + 41) * 7 * (layer + 32064 * 8)
+    scoring = 8 * 4 * 40 * 6 * (2 * 40 * 5120 * 2 + 32064 * 8)
+    ce, ce_paths = plan_activations(tmp_path, capsys, "ce")
+    vsd, vsd_paths = plan_activations(tmp_path, capsys, "ce+vsd")
+    rloo, rloo_paths = plan_activations(tmp_path, capsys, "ce+vsd-rloo")
+    accept, accept_paths = plan_activations(tmp_path, capsys, "ce+accept")
+    assert ce_paths == accept_paths == 0.0 and ce == accept
+    assert vsd_paths == pytest.approx((drafter_pass + scoring) / GB, abs=0.051)
+    assert vsd - ce == pytest.approx(vsd_paths, abs=0.11)
+    rloo_direct = 8 * 864 * layer + 8 * 4 * 40 * 7 * (layer + 32064 * 8) + scoring  # no corrections, no z_bar
+    assert rloo_paths == pytest.approx(rloo_direct / GB, abs=0.051) and rloo_paths < vsd_paths
+
+
 def released_13b_state(hidden: int = 5120, inter: int = 13824, heads: int = 40) -> dict[str, torch.Tensor]:
     """ViSpec-llava-v1.6-vicuna-13b-hf's weight names and shapes, on the meta device (no embeddings)."""
     dim = hidden // heads

@@ -138,6 +138,8 @@ TERM_WEIGHTS = {
 TERM_KEYS = {"ce": "loss.ce_weight", "vsd": "loss.vsd_weight", "topk_kl": "loss.kl_alpha",
              "accept": "loss.accept_weight", "vsd_rloo": "loss.rloo_weight"}
 OBJECTIVE_NAMES = tuple(TERM_WEIGHTS)
+# terms that run an E-step (estep.py) -> whether its drafter pass also scores the target's S corrections and z_bar
+ESTEP_TERMS = {"vsd": True, "vsd_rloo": False}
 
 
 Metrics = dict[str, float]

@@ -11,7 +11,11 @@ record counts. Memory per GPU is a model:
   and the fp32 master weights, moments and gradient partition shared across the N GPUs (4 + 16 / N bytes);
 - activations (an upper bound for one micro-batch at `max_length`, as if every position were a loss position): the
   target features and KV cache kept for the step, the target's logits, and the drafter's unrolled steps with
-  their fp32 log-probabilities over the draft vocabulary.
+  their fp32 log-probabilities over the draft vocabulary;
+- an E-step objective's paths (vsd, vsd-rloo; an estimate of the packed scoring, the E-step's peak): the drafter's
+  pass kept for backward (its layer over the sequence, then L depths of A x (S + S') nodes per row) beside the
+  target's scoring block (A x S x (L - 1) trie nodes per row at most: their KV and fp32 log-probabilities). On one
+  H200 (docs/gpu-llava.md) it came out 6% under the measured peak of the 13B recipe: not an upper bound.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from mmvsd.training.config import TrainConfig
 from mmvsd.training.dataset import data_specs
 from mmvsd.training.drafter_init import resolve_init
 from mmvsd.training.feature_cache import feature_bytes_per_token
+from mmvsd.training.objectives import ESTEP_TERMS, TERM_WEIGHTS
 from mmvsd.training.trainer import check_dataset_exists, dataset_image_root, total_steps
 
 TARGET_CONFIGS = Path(mmvsd.configs.__file__).parent / "targets"  # full-size configs of the LLaVA-1.5 names
@@ -128,7 +133,23 @@ def activation_bytes(config: TrainConfig, target: Target, draft_vocab: int) -> i
     # precision) and the fp32 log-probabilities with their softmax over the draft vocabulary
     width = 12 * hidden + 3 * sizes["intermediate_size"]
     per_step = rows * width * DTYPE_BYTES[config.precision] + rows * draft_vocab * 4 * 2
-    return features + kv_cache + target_logits + config.loss.ttt_steps * per_step
+    return features + kv_cache + target_logits + config.loss.ttt_steps * per_step + estep_bytes(config, target,
+                                                                                                draft_vocab)
+
+
+def estep_bytes(config: TrainConfig, target: Target, draft_vocab: int) -> int:
+    """An estimate of what an E-step objective's paths hold at the packed scoring (module docstring); 0 without one."""
+    given = [ESTEP_TERMS[term] for term in TERM_WEIGHTS[config.objective] if term in ESTEP_TERMS]
+    if not given:
+        return 0
+    loss, sizes, half = config.loss, layer_sizes(target), 2
+    anchors = config.batch_size * loss.num_anchors
+    layer = (12 * target.hidden_size + 3 * sizes["intermediate_size"]) * DTYPE_BYTES[config.precision]
+    nodes = anchors * (loss.num_samples + (loss.num_samples + 1 if any(given) else 0)) * loss.path_length
+    drafter_pass = config.batch_size * config.max_length * layer + nodes * (layer + draft_vocab * 4 * 2)
+    kv_per_token = 2 * target.num_layers * sizes["num_key_value_heads"] * sizes["head_dim"] * half
+    trie_nodes = anchors * loss.num_samples * (loss.path_length - 1)
+    return drafter_pass + trie_nodes * (kv_per_token + target.vocab_size * 4 * 2)
 
 
 @dataclass(frozen=True)
@@ -201,13 +222,15 @@ def describe_plan(config: TrainConfig, argv: list[str], num_gpus: int) -> str:
                   f"examples, {config.epochs:g} epoch(s); about {data.about_tokens / 1e6:.1f} M tokens per epoch",
                   f"disk     offline features (`mmvsd prepare`, bf16): about {data.about_tokens * per_token / GB:.0f} "
                   f"GB; each checkpoint {12 * trainable / GB:.2f} GB (x keep_checkpoints={config.keep_checkpoints})"]
+    paths = estep_bytes(config, target, draft_vocab)
+    estep = f", of which E-step paths ~{paths / GB:.1f}" if paths else ""
     lines.append("memory   per GPU (weights and optimizer state exact; activations an upper bound for batch_size "
-                 f"{config.batch_size} at {config.max_length} tokens):")
+                 f"{config.batch_size} at {config.max_length} tokens{', E-step paths an estimate' if paths else ''}):")
     for gpus in GPU_COUNTS:
         memory = gpu_memory(target_params, trainable, config, target, draft_vocab, gpus)
         lines.append(f"         {gpus} GPU(s): DDP {memory.ddp / GB:.1f} GB, ZeRO-2 {memory.zero2 / GB:.1f} GB "
                      f"(target {memory.target / GB:.1f} + drafter state {memory.ddp_state / GB:.2f} | "
-                     f"{memory.zero2_state / GB:.2f} + activations ~{memory.activations / GB:.1f})")
+                     f"{memory.zero2_state / GB:.2f} + activations ~{memory.activations / GB:.1f}{estep})")
     memory = gpu_memory(target_params, trainable, config, target, draft_vocab, num_gpus)
     per_example = memory.activations / config.batch_size
     fits = int((GPU_BYTES - memory.target - memory.zero2_state) // per_example) if per_example else config.batch_size
