@@ -2,6 +2,16 @@
 
 import sys
 
-from mmvsd.cli import main
+# pyproject maps the checkout's adapters/ drafters/ data/ eval/ configs/ folders into the package when it is
+# installed; `python -m mmvsd` in a checkout that is not installed editable finds mmvsd/ alone.
+MAPPED = ("mmvsd.adapters", "mmvsd.drafters", "mmvsd.data", "mmvsd.eval", "mmvsd.configs")
+
+try:
+    from mmvsd.cli import main
+except ModuleNotFoundError as error:
+    if error.name not in MAPPED:
+        raise
+    sys.exit(f"error: {error.name} is missing: this `mmvsd` is a source checkout's mmvsd/ folder, which holds only "
+             "part of the package. Install the checkout (`pip install -e .`), or run `python -m mmvsd` outside it.")
 
 sys.exit(main())

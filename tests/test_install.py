@@ -152,3 +152,18 @@ def test_the_readme_installs_through_the_constraints():
     install = re.search(r"## Install\s+```bash\n(.*?)\n```", readme, re.DOTALL).group(1)
     assert "-c mmvsd/constraints.txt" in install and install.count("\n") == 0
     assert textwrap.dedent(install).startswith('pip install -e ".[test]"')
+
+
+def test_python_m_mmvsd_in_an_uninstalled_checkout_says_to_install_it(tmp_path):
+    """`python -m mmvsd` where only a checkout's mmvsd/ folder is importable (no editable install maps the folders
+    beside it into the package): one message, exit 1, no traceback."""
+    import mmvsd
+
+    (tmp_path / "mmvsd").symlink_to(next(iter(mmvsd.__path__)))
+    no_editable_finder = ("import runpy, sys; sys.meta_path[:] = [f for f in sys.meta_path if not "
+                          "getattr(f, '__module__', '').startswith('__editable__')]; "
+                          "sys.argv[1:] = ['--help']; runpy.run_module('mmvsd', run_name='__main__', alter_sys=True)")
+    done = subprocess.run([sys.executable, "-c", no_editable_finder], cwd=tmp_path, capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "mmvsd.eval is missing" in done.stderr and "pip install -e ." in done.stderr
