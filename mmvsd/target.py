@@ -70,7 +70,8 @@ class Target:
         aux_layer_ids: tuple[int, ...] | None = None,
         processor=None,
     ) -> None:
-        self.model = model.eval()
+        self.model = model.eval().requires_grad_(False)  # never trained: a drafter that reads its embeddings must
+        # not make autograd compute their gradient (a dense [V, H] buffer every training step)
         self.tokenizer = tokenizer
         self.processor = processor  # a multimodal processor (images -> pixels, placeholders), or None
         self.name = name

@@ -59,6 +59,15 @@ def test_ce_loss_matches_explicit_loop(tiny_target):
     torch.testing.assert_close(loss, expected)
 
 
+def test_training_leaves_the_target_without_gradients(tiny_target):
+    """The target is frozen: EAGLE-3 reads its embeddings, and autograd must not fill a [V, H] gradient for them."""
+    batch, drafter = setup(tiny_target)
+    loss, _ = ce_loss(drafter, tiny_target, batch, ObjectiveConfig(ttt_steps=3))
+    loss.backward()
+    assert all(p.grad is not None for p in drafter.parameters())
+    assert not any(p.requires_grad or p.grad is not None for p in tiny_target.model.parameters())
+
+
 @pytest.mark.parametrize("kl_depth", ["all", "first"])
 def test_topk_kl_matches_explicit_loop_at_every_depth(tiny_target, kl_depth):
     batch, drafter = setup(tiny_target)

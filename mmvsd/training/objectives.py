@@ -194,18 +194,22 @@ def ce_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: Objec
     unroll = unroll or Unroll(drafter, batch)
     # step i at anchor t predicts token t+2+i, whose target distribution sits at position t+1+i
     target_logits, top1_in_vocab = draft_vocab_logits(target, drafter, batch.target_hidden)  # [B, T, Vd], [B, T]
-    total = torch.zeros((), device=target_logits.device)
+    # each position's label distribution and top-1, once: step i reads position t+1+i of anchor t
+    target_probs, target_top1 = torch.softmax(target_logits, -1), target_logits.argmax(-1)
+    del target_logits
+    width = target_top1.shape[1]
+    total = torch.zeros((), device=target_probs.device)
     metrics: Metrics = {}
     for step in range(config.ttt_steps):
         label = unroll.label_mask(step)
         counted = shifted(top1_in_vocab, step + 1, False)  # a target top-1 outside the draft vocabulary: no label
-        mask = label & counted
-        step_logits = shifted(target_logits, step + 1)[mask]  # [N, Vd]
+        mask = label & counted  # False on the last step + 2 anchors, whose label lies past the sequence
+        rows = mask[:, : width - step - 1]  # anchors t -> label rows t + 1 + step, in the order of mask
         draft_logprobs = unroll.draft_logprobs(step, config.ttt_steps)[counted[label]]  # [N, Vd]
-        soft_ce = -(torch.softmax(step_logits, -1) * draft_logprobs).sum(-1)  # [N]
+        soft_ce = -(target_probs[:, step + 1 :][rows] * draft_logprobs).sum(-1)  # [N]
         count = mask.sum()
         total = total + config.ttt_decay**step * mean(soft_ce.sum(), count)
-        correct = draft_logprobs.argmax(-1) == step_logits.argmax(-1)
+        correct = draft_logprobs.argmax(-1) == target_top1[:, step + 1 :][rows]
         metrics[f"acc_{step}"] = float(mean(correct.sum().float(), count))
     metrics["ce"] = float(total.detach())
     return total, metrics
