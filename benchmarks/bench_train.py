@@ -5,6 +5,11 @@ step is objective forward + backward + AdamW update (target features captured ou
 as they are the same for all). Reports medians and ratios to `ce`, and writes JSON + the config.
 
     python benchmarks/bench_train.py --target smollm2-135m --rounds 5 --max-length 512
+    python benchmarks/bench_train.py --target qwen2.5-coder-1.5b --target-dtype bf16 --precision bf16 \
+        --target-engine stock --variants ce --ttt-steps 6 --batch-size 4 --draft-vocab-size 32000 --rounds 2
+
+`--target-dtype bf16` loads the target as `mmvsd train` does with `target_dtype=bf16` (`--target-engine`: decoding's
+exact engine or torch's kernels), `--precision bf16` runs the step under bf16 autocast with fp32 master weights.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from mmvsd.target_loader import load_target
 from mmvsd.training.dataset import draft_vocab_from_counts, load_examples, token_frequencies
 from mmvsd.training.features import capture_features, collate
 from mmvsd.training.objectives import ObjectiveConfig, make_objective
+from mmvsd.training.trainer import TARGET_DTYPES, fp32_master_weights
 
 
 def parse_args() -> argparse.Namespace:
@@ -34,25 +40,30 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--anchors", type=int, default=8)
     p.add_argument("--draft-vocab-size", type=int, default=8192)
+    p.add_argument("--target-dtype", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--target-engine", default="exact", choices=("exact", "stock"))
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    p.add_argument("--ttt-steps", type=int, default=ObjectiveConfig.ttt_steps)
     p.add_argument("--variants", default="ce,vsd:S=8,vsd:S=40,vsd:S=8:L=4,vsd:S=8:A=4,vsd-kl:S=8")
     p.add_argument("--out", default="benchmarks/results/bench_train.json")
     return p.parse_args()
 
 
-def variant_config(spec: str, anchors: int) -> tuple[str, ObjectiveConfig]:
+def variant_config(spec: str, anchors: int, ttt_steps: int = ObjectiveConfig.ttt_steps) -> tuple[str, ObjectiveConfig]:
     """'vsd:S=8:L=4:A=8' -> ("vsd", ObjectiveConfig(num_samples=8, path_length=4, num_anchors=8))."""
     name, *settings = spec.split(":")
     keys = {"S": "num_samples", "L": "path_length", "A": "num_anchors"}
-    values = {"num_anchors": anchors}
+    values = {"num_anchors": anchors, "ttt_steps": ttt_steps}
     for item in settings:
         key, _, value = item.partition("=")
         values[keys[key]] = int(value)
     return name, ObjectiveConfig(**values)
 
 
-def timed_step(objective, drafter, optimizer, target, batch, seed: int) -> float:
+def timed_step(objective, drafter, optimizer, target, batch, seed: int, bf16: bool = False) -> float:
     start = time.perf_counter()
-    loss, _ = objective(drafter, target, batch, torch.Generator().manual_seed(seed))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        loss, _ = objective(drafter, target, batch, torch.Generator().manual_seed(seed))
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -62,15 +73,16 @@ def timed_step(objective, drafter, optimizer, target, batch, seed: int) -> float
 def main() -> None:
     args = parse_args()
     torch.manual_seed(0)
-    target = load_target(args.target)
+    target = load_target(args.target, dtype=TARGET_DTYPES[args.target_dtype], exact=args.target_engine == "exact")
     split = load_examples(target, args.data, num_conversations=args.num_conversations, max_length=args.max_length,
                           validation_fraction=0.0, seed=0, progress=False)
     examples = sorted(split.train, key=lambda ex: -len(ex.input_ids))  # the longest: full-length batches
     vocab = args.draft_vocab_size
     drafter = Eagle3Drafter.from_target(target, draft_vocab_size=vocab)
     drafter.set_draft_vocab(draft_vocab_from_counts(token_frequencies(split.train, target.vocab_size), vocab))
+    drafter = fp32_master_weights(drafter)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0)
-    variants = [(spec, *variant_config(spec, args.anchors)) for spec in args.variants.split(",")]
+    variants = [(spec, *variant_config(spec, args.anchors, args.ttt_steps)) for spec in args.variants.split(",")]
     objectives = {spec: make_objective(name, cfg) for spec, name, cfg in variants}
     times: dict[str, list[float]] = {spec: [] for spec in objectives}
     capture: list[float] = []
@@ -81,14 +93,15 @@ def main() -> None:
         batch = capture_features(target, tokens, keep_cache=True)
         elapsed = time.perf_counter() - start
         for spec, objective in objectives.items():
-            seconds = timed_step(objective, drafter, optimizer, target, batch, round_index)
+            seconds = timed_step(objective, drafter, optimizer, target, batch, round_index, args.precision == "bf16")
             if round_index:
                 times[spec].append(seconds)
         if round_index:
             capture.append(int(tokens.lengths.sum()) / elapsed)
         print(f"round {round_index}: {int(tokens.lengths.sum())} tokens", flush=True)
     base = statistics.median(times["ce"]) if "ce" in times else None
-    report = {"target": args.target, "args": vars(args), "feature_capture_tokens_per_s": statistics.median(capture),
+    report = {"target": args.target, "args": vars(args), "engine": target.engine,
+              "feature_capture_tokens_per_s": statistics.median(capture),
               "step_seconds": {k: statistics.median(v) for k, v in times.items()}}
     print(f"feature capture: {report['feature_capture_tokens_per_s']:.0f} tokens/s (median)")
     for spec, seconds in report["step_seconds"].items():

@@ -107,11 +107,13 @@ def builtin_targets() -> dict[str, BuiltinTarget]:
 
 
 
-def load_target(spec: str, dtype: torch.dtype | None = torch.float32, device: str = "cpu") -> Target:
+def load_target(spec: str, dtype: torch.dtype | None = torch.float32, device: str = "cpu",
+                exact: bool = True) -> Target:
     """Load a target from a built-in name, a local folder, a .gguf file or a cached HF model id.
 
     On the CPU, dtype None (`--dtype auto`) picks fp32 or bf16 with the exact engine by measurement, and a
-    half-precision target gets the exact engine where this CPU allows it (`mmvsd.decoding.engine`)."""
+    half-precision target gets the exact engine where this CPU allows it (`mmvsd.decoding.engine`), unless
+    `exact` is False (stock kernels: training, which needs no batch invariance)."""
     from mmvsd.decoding import engine  # the decoding layer: imported when a target loads
 
     folder = resolve_target_folder(spec)
@@ -120,7 +122,8 @@ def load_target(spec: str, dtype: torch.dtype | None = torch.float32, device: st
         return target
     if dtype is None:
         return engine.choose_cpu_engine(target)
-    engine.use_exact_engine(target)
+    if exact:
+        engine.use_exact_engine(target)
     return target
 
 

@@ -59,6 +59,20 @@ def test_ce_loss_matches_explicit_loop(tiny_target):
     torch.testing.assert_close(loss, expected)
 
 
+def test_label_rows_reads_the_shifted_rows_in_place():
+    from mmvsd.training.objectives import label_rows
+    from mmvsd.training.unroll import shifted
+
+    values = torch.randn(3, 10, 5)
+    for step in range(4):
+        mask = torch.rand(3, 10) > 0.4
+        mask[:, 10 - step - 2 :] = False
+        assert torch.equal(label_rows(values, step, mask), shifted(values, step + 1)[mask])
+    mask[0, -1] = True  # an anchor whose label lies past the sequence
+    with pytest.raises(ValueError):
+        label_rows(values, 3, mask)
+
+
 def test_training_leaves_the_target_without_gradients(tiny_target):
     """The target is frozen: EAGLE-3 reads its embeddings, and autograd must not fill a [V, H] gradient for them."""
     batch, drafter = setup(tiny_target)

@@ -283,13 +283,33 @@ def test_target_loads_on_the_training_device(setup, tmp_path, capsys, monkeypatc
     target, data = setup
     devices, accelerators = [], []
     real_load, real_accelerator = trainer.load_target, trainer._accelerator
-    monkeypatch.setattr(trainer, "load_target", lambda spec, dtype, device: devices.append(device)
-                        or real_load(spec, dtype=dtype, device=device))
+    monkeypatch.setattr(trainer, "load_target", lambda spec, dtype, device, exact: devices.append(device)
+                        or real_load(spec, dtype=dtype, device=device, exact=exact))
     monkeypatch.setattr(trainer, "_accelerator", lambda *args: accelerators.append(real_accelerator(*args))
                         or accelerators[-1])
     code, err = train_cli(capsys, target, data, tmp_path / "out", "max_steps=1", "target_dtype=bf16")
     assert code == 0, err
     assert devices == [str(accelerators[0][0].device)]
+
+
+@pytest.mark.parametrize("engine", ["exact", "stock"])
+def test_target_engine_chooses_decoding_s_exact_kernels_or_torch_s(setup, tmp_path, capsys, monkeypatch, engine):
+    """`target_engine=stock` trains on torch's own kernels; `exact` (the default) asks for decoding's engine, which
+    a CPU without exact bf16 rows declines (so only the request is checked there)."""
+    target, data = setup
+    loaded = []
+    real_load = trainer.load_target
+    monkeypatch.setattr(trainer, "load_target", lambda *args, **kwargs: loaded.append((kwargs["exact"], real_load(
+        *args, **kwargs))) or loaded[-1][1])
+    extra = [] if engine == "exact" else ["target_engine=stock"]
+    code, err = train_cli(capsys, target, data, tmp_path / "out", "max_steps=1", "target_dtype=bf16", *extra)
+    assert code == 0, err
+    [(exact, loaded_target)] = loaded
+    assert exact == (engine == "exact")
+    if engine == "stock":
+        assert loaded_target.engine == "stock"
+    code, err = train_cli(capsys, target, data, tmp_path / "bad", "max_steps=1", "target_engine=fast")
+    assert code == 2 and "target_engine='fast' is not one of exact, stock" in err
 
 
 def test_a_target_with_the_cpu_engine_is_refused_on_a_gpu(setup, tmp_path, monkeypatch):

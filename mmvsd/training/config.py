@@ -71,6 +71,9 @@ class TrainConfig:
     precision: str = "fp32"  # fp32 | bf16 (the drafter's autocast)
     target_dtype: str = "fp32"  # fp32 | bf16: the dtype the target computes features in (bf16: ~3x faster
     # on CPUs with AMX/AVX-512-bf16; the drafter then decodes against an fp32 target's slightly different features)
+    target_engine: str = "exact"  # exact | stock: a bf16 target on a CPU computes features with decoding's exact engine
+    # (mmvsd.decoding.engine: 32-row chunks, float64 attention) or torch's stock kernels (training needs no
+    # batch invariance: about 2x faster on 4 x 512 tokens; features differ from decoding's in the last bits)
     init_from_target: bool = False  # start the draft LM head and final norm from the target's (draft-vocab rows)
     seed: int = 0
     max_bad_steps: int = 20  # non-finite losses tolerated (skipped) before the run stops
@@ -93,7 +96,8 @@ class TrainConfig:
         choices = {"objective": OBJECTIVE_NAMES, "regenerate": ("none", "greedy", "sample"),
                    "features": ("online", "offline"), "schedule": ("cosine", "linear"),
                    "media_curriculum": ("auto", "on", "off"),
-                   "precision": ("fp32", "bf16"), "target_dtype": ("fp32", "bf16")}
+                   "precision": ("fp32", "bf16"), "target_dtype": ("fp32", "bf16"),
+                   "target_engine": ("exact", "stock")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise UserError(f"{key}={getattr(self, key)!r} is not one of {', '.join(allowed)}")

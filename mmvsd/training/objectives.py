@@ -187,6 +187,16 @@ class Unroll:
         return self._logprobs[step]
 
 
+def label_rows(values: Tensor, step: int, mask: Tensor) -> Tensor:
+    """values [B, T, ...] at position t+1+step for every anchor t of `mask` [B, T] (rows in the mask's order), read
+    in place: the same rows as `shifted(values, step + 1)[mask]` without copying the shifted tensor. The mask's
+    last step + 2 anchors must be False (`Unroll.label_mask` makes them so: their label lies past the sequence)."""
+    width = values.shape[1] - step - 1
+    if mask[:, width:].any():
+        raise ValueError(f"label_rows: anchors in the last {step + 2} positions have no label at step {step}")
+    return values[:, step + 1 :][mask[:, :width]]
+
+
 def ce_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: ObjectiveConfig,
             mean: Mean = batch_mean, unroll: Unroll | None = None) -> tuple[Tensor, Metrics]:
     """EAGLE-3 training-time test with soft labels and per-step top-1 accuracy (`mean`: over this batch's
@@ -197,19 +207,17 @@ def ce_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: Objec
     # each position's label distribution and top-1, once: step i reads position t+1+i of anchor t
     target_probs, target_top1 = torch.softmax(target_logits, -1), target_logits.argmax(-1)
     del target_logits
-    width = target_top1.shape[1]
     total = torch.zeros((), device=target_probs.device)
     metrics: Metrics = {}
     for step in range(config.ttt_steps):
         label = unroll.label_mask(step)
         counted = shifted(top1_in_vocab, step + 1, False)  # a target top-1 outside the draft vocabulary: no label
-        mask = label & counted  # False on the last step + 2 anchors, whose label lies past the sequence
-        rows = mask[:, : width - step - 1]  # anchors t -> label rows t + 1 + step, in the order of mask
+        mask = label & counted
         draft_logprobs = unroll.draft_logprobs(step, config.ttt_steps)[counted[label]]  # [N, Vd]
-        soft_ce = -(target_probs[:, step + 1 :][rows] * draft_logprobs).sum(-1)  # [N]
+        soft_ce = -(label_rows(target_probs, step, mask) * draft_logprobs).sum(-1)  # [N]
         count = mask.sum()
         total = total + config.ttt_decay**step * mean(soft_ce.sum(), count)
-        correct = draft_logprobs.argmax(-1) == target_top1[:, step + 1 :][rows]
+        correct = draft_logprobs.argmax(-1) == label_rows(target_top1, step, mask)
         metrics[f"acc_{step}"] = float(mean(correct.sum().float(), count))
     metrics["ce"] = float(total.detach())
     return total, metrics
@@ -296,7 +304,7 @@ def topk_kl_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: 
     metrics: Metrics = {}
     for step in range(num_steps):
         label = unroll.label_mask(step)
-        kl = topk_renormalised_kl(shifted(target_logits, step + 1)[label], unroll.draft_logprobs(step, num_steps),
+        kl = topk_renormalised_kl(label_rows(target_logits, step, label), unroll.draft_logprobs(step, num_steps),
                                   config.kl_topk)  # [N]
         step_kl = mean(kl.sum(), label.sum())
         total = total + config.ttt_decay**step * step_kl
@@ -323,7 +331,7 @@ def step_acceptance(drafter: Drafter, target: Target, batch: FeatureBatch, num_s
     for step in range(num_steps):
         mask = unroll.label_mask(step)
         rates = torch.zeros(mask.shape, dtype=target_probs.dtype, device=target_probs.device)
-        rates[mask] = acceptance(shifted(target_probs, step + 1)[mask], unroll.draft_logprobs(step, num_steps)).to(
+        rates[mask] = acceptance(label_rows(target_probs, step, mask), unroll.draft_logprobs(step, num_steps)).to(
             rates.dtype)
         steps.append((rates, mask))
     return steps

@@ -19,7 +19,8 @@ def prepare_feature_cache(config: TrainConfig, dtype: str = "auto", assume_yes: 
     """Render the same training examples `mmvsd train` would, print the size, then write the cache (the target
     on `device`; the features are stored from the CPU)."""
     out_dir = Path(config.feature_cache)
-    target = load_target(config.target, dtype=TARGET_DTYPES[config.target_dtype], device=device)
+    target = load_target(config.target, dtype=TARGET_DTYPES[config.target_dtype], device=device,
+                         exact=config.target_engine == "exact")
     split = config_examples(config, target)
     if any(example.media for example in split.train):
         raise UserError("offline feature caches hold text examples only; train on data with images with "

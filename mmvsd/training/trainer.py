@@ -353,7 +353,8 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
         check_resume_split(resume_from, saved, split, sharded=accelerator.state.deepspeed_plugin is not None)
         state = dataclasses.replace(saved, num_processes=split.num_processes, global_batch=split.global_size)
     if target is None:  # loaded where it runs: a CPU-only engine (mmvsd.decoding.engine) must not reach a GPU
-        target = load_target(config.target, dtype=TARGET_DTYPES[config.target_dtype], device=str(accelerator.device))
+        target = load_target(config.target, dtype=TARGET_DTYPES[config.target_dtype], device=str(accelerator.device),
+                             exact=config.target_engine == "exact")
     elif accelerator.device.type != "cpu" and target.engine.startswith("exact"):
         raise UserError(f"target {target.name} carries the CPU's exact engine and cannot train on "
                         f"{accelerator.device}: load it there (load_target(..., device=...))")
