@@ -73,7 +73,7 @@ class TrainConfig:
     # on CPUs with AMX/AVX-512-bf16; the drafter then decodes against an fp32 target's slightly different features)
     target_engine: str = "exact"  # exact | stock: a bf16 target on a CPU computes features with decoding's exact engine
     # (mmvsd.decoding.engine: 32-row chunks, float64 attention) or torch's stock kernels (training needs no
-    # batch invariance: about 2x faster on 4 x 512 tokens; features differ from decoding's in the last bits)
+    # batch invariance: features about 2x faster on 4 x 512 tokens; they differ from decoding's in the last bits)
     init_from_target: bool = False  # start the draft LM head and final norm from the target's (draft-vocab rows)
     seed: int = 0
     max_bad_steps: int = 20  # non-finite losses tolerated (skipped) before the run stops
