@@ -71,6 +71,21 @@ def test_label_rows_reads_the_shifted_rows_in_place():
     mask[0, -1] = True  # an anchor whose label lies past the sequence
     with pytest.raises(ValueError):
         label_rows(values, 3, mask)
+    short = torch.randn(2, 3, 5)  # fewer tokens than step + 2: no labels, as a shifted copy gives
+    for step in range(5):
+        none = torch.zeros(2, 3, dtype=torch.bool)
+        assert label_rows(short, step, none).shape == (0, 5) == shifted(short, step + 1)[none].shape
+
+
+@pytest.mark.parametrize("objective", ["ce", "ce+accept", "vsd-kl"])
+def test_a_batch_shorter_than_the_unroll_trains(tiny_target, objective):
+    """Four tokens and six unrolled steps: the later steps have no labels, and the loss stays finite."""
+    ids = torch.randint(0, VOCAB, (2, 4), generator=torch.Generator().manual_seed(0))
+    batch = capture_features(tiny_target, TokenBatch(ids, torch.ones(2, 4, dtype=torch.bool), torch.tensor([4, 3])))
+    drafter = Eagle3Drafter.from_target(tiny_target, draft_vocab_size=100, seed=1)
+    loss, _ = make_objective(objective, ObjectiveConfig(ttt_steps=6))(drafter, tiny_target, batch,
+                                                                       torch.Generator().manual_seed(0))
+    assert torch.isfinite(loss)
 
 
 def test_training_leaves_the_target_without_gradients(tiny_target):

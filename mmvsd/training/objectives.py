@@ -191,7 +191,7 @@ def label_rows(values: Tensor, step: int, mask: Tensor) -> Tensor:
     """values [B, T, ...] at position t+1+step for every anchor t of `mask` [B, T] (rows in the mask's order), read
     in place: the same rows as `shifted(values, step + 1)[mask]` without copying the shifted tensor. The mask's
     last step + 2 anchors must be False (`Unroll.label_mask` makes them so: their label lies past the sequence)."""
-    width = values.shape[1] - step - 1
+    width = max(values.shape[1] - step - 1, 0)  # a sequence shorter than step + 2 tokens has no labels at all
     if mask[:, width:].any():
         raise ValueError(f"label_rows: anchors in the last {step + 2} positions have no label at step {step}")
     return values[:, step + 1 :][mask[:, :width]]
