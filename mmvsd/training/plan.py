@@ -124,17 +124,29 @@ def gpu_memory(target_params: int, drafter_params: int, config: TrainConfig, tar
 
 def activation_bytes(config: TrainConfig, target: Target, draft_vocab: int) -> int:
     """An estimate of one micro-batch's activations at max_length (module docstring)."""
-    sizes = layer_sizes(target)  # the decoder layer's widths, read as a drafter copies them
-    rows, hidden, half = config.batch_size * config.max_length, target.hidden_size, 2
-    features = rows * (len(target.aux_layer_ids) + 1) * hidden * half
-    kv_cache = rows * 2 * target.num_layers * sizes["num_key_value_heads"] * sizes["head_dim"] * half
+    rows, half = config.batch_size * config.max_length, 2
+    features = rows * (len(target.aux_layer_ids) + 1) * target.hidden_size * half
     target_logits = rows * target.vocab_size * half + rows * draft_vocab * 4
-    # each unrolled drafter step: its layer's activations kept for backward (~12 H + 3 I wide, in the training
-    # precision) and the fp32 log-probabilities with their softmax over the draft vocabulary
-    width = 12 * hidden + 3 * sizes["intermediate_size"]
-    per_step = rows * width * DTYPE_BYTES[config.precision] + rows * draft_vocab * 4 * 2
-    return features + kv_cache + target_logits + config.loss.ttt_steps * per_step + estep_bytes(config, target,
-                                                                                                draft_vocab)
+    per_step = rows * drafted_row_bytes(config, target, draft_vocab)
+    return (features + rows * kv_bytes_per_token(target) + target_logits + config.loss.ttt_steps * per_step
+            + estep_bytes(config, target, draft_vocab))
+
+
+def drafted_row_bytes(config: TrainConfig, target: Target, draft_vocab: int) -> int:
+    """What one row of an unrolled drafter step keeps for backward: its layer's activations (~12 H + 3 I wide, in the
+    training precision) and the fp32 log-probabilities with their softmax over the draft vocabulary."""
+    return drafter_layer_bytes(config, target) + draft_vocab * 4 * 2
+
+
+def drafter_layer_bytes(config: TrainConfig, target: Target) -> int:
+    """The drafter layer's activations per row (the decoder layer's widths, read as a drafter copies them)."""
+    return (12 * target.hidden_size + 3 * layer_sizes(target)["intermediate_size"]) * DTYPE_BYTES[config.precision]
+
+
+def kv_bytes_per_token(target: Target) -> int:
+    """The target's bf16 keys and values of one token, all layers."""
+    sizes = layer_sizes(target)
+    return 2 * target.num_layers * sizes["num_key_value_heads"] * sizes["head_dim"] * 2
 
 
 def estep_bytes(config: TrainConfig, target: Target, draft_vocab: int) -> int:
@@ -142,14 +154,13 @@ def estep_bytes(config: TrainConfig, target: Target, draft_vocab: int) -> int:
     given = [ESTEP_TERMS[term] for term in TERM_WEIGHTS[config.objective] if term in ESTEP_TERMS]
     if not given:
         return 0
-    loss, sizes, half = config.loss, layer_sizes(target), 2
+    loss = config.loss
     anchors = config.batch_size * loss.num_anchors
-    layer = (12 * target.hidden_size + 3 * sizes["intermediate_size"]) * DTYPE_BYTES[config.precision]
     nodes = anchors * (loss.num_samples + (loss.num_samples + 1 if any(given) else 0)) * loss.path_length
-    drafter_pass = config.batch_size * config.max_length * layer + nodes * (layer + draft_vocab * 4 * 2)
-    kv_per_token = 2 * target.num_layers * sizes["num_key_value_heads"] * sizes["head_dim"] * half
+    drafter_pass = (config.batch_size * config.max_length * drafter_layer_bytes(config, target)
+                    + nodes * drafted_row_bytes(config, target, draft_vocab))
     trie_nodes = anchors * loss.num_samples * (loss.path_length - 1)
-    return drafter_pass + trie_nodes * (kv_per_token + target.vocab_size * 4 * 2)
+    return drafter_pass + trie_nodes * (kv_bytes_per_token(target) + target.vocab_size * 4 * 2)
 
 
 @dataclass(frozen=True)
