@@ -6,10 +6,9 @@ import sys
 from pathlib import Path
 
 from mmvsd.errors import UserError
-from mmvsd.target_loader import load_target
 from mmvsd.training.config import TrainConfig
 from mmvsd.training.feature_cache import plan_feature_cache, write_feature_cache
-from mmvsd.training.trainer import TARGET_DTYPES, config_examples, data_settings
+from mmvsd.training.trainer import config_examples, data_settings, load_training_target
 
 DTYPES = {"auto": None, "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 
@@ -19,8 +18,7 @@ def prepare_feature_cache(config: TrainConfig, dtype: str = "auto", assume_yes: 
     """Render the same training examples `mmvsd train` would, print the size, then write the cache (the target
     on `device`; the features are stored from the CPU)."""
     out_dir = Path(config.feature_cache)
-    target = load_target(config.target, dtype=TARGET_DTYPES[config.target_dtype], device=device,
-                         exact=config.target_engine == "exact")
+    target = load_training_target(config, device)
     split = config_examples(config, target)
     if any(example.media for example in split.train):
         raise UserError("offline feature caches hold text examples only; train on data with images with "

@@ -132,6 +132,13 @@ def total_steps(config: TrainConfig, num_examples: int, global_batch: int) -> in
 TARGET_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def load_training_target(config: TrainConfig, device: str) -> Target:
+    """The target as `mmvsd train` and `mmvsd prepare` load it: in `target_dtype`, on `device`, with decoding's exact
+    engine or torch's kernels (`target_engine`)."""
+    return load_target(config.target, dtype=TARGET_DTYPES[config.target_dtype], device=device,
+                       exact=config.target_engine == "exact")
+
+
 def build_drafter(config: TrainConfig, target: Target, train_examples: list) -> Drafter:
     """A fresh drafter with a frequency-based draft vocabulary, or the `--init` one (see `resolve_init`),
     its trainable weights in fp32 (the master weights; `precision=bf16` computes in bf16 under autocast)."""
@@ -353,8 +360,7 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
         check_resume_split(resume_from, saved, split, sharded=accelerator.state.deepspeed_plugin is not None)
         state = dataclasses.replace(saved, num_processes=split.num_processes, global_batch=split.global_size)
     if target is None:  # loaded where it runs: a CPU-only engine (mmvsd.decoding.engine) must not reach a GPU
-        target = load_target(config.target, dtype=TARGET_DTYPES[config.target_dtype], device=str(accelerator.device),
-                             exact=config.target_engine == "exact")
+        target = load_training_target(config, str(accelerator.device))
     elif accelerator.device.type != "cpu" and target.engine.startswith("exact"):
         raise UserError(f"target {target.name} carries the CPU's exact engine and cannot train on "
                         f"{accelerator.device}: load it there (load_target(..., device=...))")
