@@ -242,8 +242,8 @@ def main() -> int:
         if report["profile"]["ok"]:
             report["profile"].update(cost_tables((args.out / "profile.log").read_text()))
         save(report, args.out)
-    drafters = []
-    for objective in args.objectives.split(",") if args.steps else []:
+    objectives, drafters = args.objectives.split(",") if args.steps else [], []
+    for objective in objectives:
         drafter = args.work / f"drafter-{objective.replace('+', '-')}"
         train = ["train", "--config", "llava_vispec_paper", "--target", str(target), "--init", "none",
                  "--data", f"llava-instruct:{args.images / 'llava_instruct.json'}", "--output", str(drafter),
@@ -256,7 +256,7 @@ def main() -> int:
             row.update(train_steps(drafter))
             drafters.append(drafter)
         save(report, args.out)
-    if args.decode and len(drafters) == (len(args.objectives.split(",")) if args.steps else 0):
+    if args.decode and len(drafters) == len(objectives):  # every drafter trained (none asked for: a random one)
         report["generate"] = generate(target, str(drafters[0]) if drafters else "random", args, device_args)
     report["ok"] = all(value["ok"] for value in report.values() if isinstance(value, dict))
     save(report, args.out)
