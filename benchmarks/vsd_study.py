@@ -619,15 +619,16 @@ def check_args(args: argparse.Namespace, arms: list[Arm]) -> None:
 def run_study(args: argparse.Namespace, target=None) -> list[dict]:
     """Train every run, evaluate them and the init drafter, write the reports; returns the summary rows."""
     from mmvsd.target_loader import load_target
-    from mmvsd.training.trainer import TARGET_DTYPES
+    from mmvsd.training.trainer import TARGET_DTYPES, load_training_target
 
     arms = [parse_arm(spec) for spec in (args.arm or DEFAULT_ARMS)]
     check_args(args, arms)
     # every run's config is valid before any training starts
     configs = [run_config(args, arm, 0, args.steps, Path(args.out) / "runs" / "check") for arm in arms]
     target = target if target is not None else load_target(args.target)  # evaluation: fp32 unless given
-    train_dtype = TARGET_DTYPES[configs[0].target_dtype]  # training: the config's (bf16 features are ~3x faster here)
-    train_target = target if target.dtype == train_dtype else load_target(args.target, dtype=train_dtype)
+    # training: the target as `mmvsd train` loads it (the config's target_dtype and target_engine)
+    same = target.dtype == TARGET_DTYPES[configs[0].target_dtype] and configs[0].target_engine == "exact"
+    train_target = target if same else load_training_target(configs[0], "cpu")
     runs = [run for run in train_all(args, train_target, arms) if run["budget"] in args.evaluate_budgets]
     specs = [s for s in args.eval_prompts.split(",") if s]
     prompt_sets = load_prompt_sets(target, specs, args.eval_limit, args.max_new_tokens,

@@ -331,3 +331,35 @@ def test_the_accept_metric_counts_are_the_evaluators_chain_sums(study, tiny_targ
     chains = expected_acceptance(tiny_target, random_drafter, prompts, sampled, depth=3)
     assert totals == pytest.approx([c.total for c in chains]) and anchors == [c.anchors for c in chains]
     assert anchors == [8, 5, 7]  # every continuation token after the first is an anchor's next-but-one token
+
+
+def test_the_training_target_is_loaded_as_mmvsd_train_loads_it(study, tiny_target, monkeypatch):
+    """run_study trains on the config's target_dtype and target_engine (`load_training_target`), and reuses the
+    evaluation's target only when that is the same target (fp32 exact)."""
+    import mmvsd.training.trainer as trainer
+
+    loaded, trained_on = [], []
+
+    class Stop(Exception):
+        pass
+
+    def fake_load(config, device):
+        loaded.append((config.target_dtype, config.target_engine, device))
+        return "the training target"
+
+    def fake_train_all(args, target, arms):
+        trained_on.append(target)
+        raise Stop
+
+    monkeypatch.setattr(trainer, "load_training_target", fake_load)
+    monkeypatch.setattr(study, "train_all", fake_train_all)
+    base = ["--init", "x", "--config", "", "--seeds", "1", "--evaluate-budgets", "steps", "--set", "data=x.json"]
+    for sets, expected in ((["target_dtype=fp32", "target_engine=exact"], []),
+                           (["target_dtype=fp32", "target_engine=stock"], [("fp32", "stock", "cpu")]),
+                           (["target_dtype=bf16", "target_engine=exact"], [("bf16", "exact", "cpu")])):
+        loaded.clear(), trained_on.clear()
+        args = study.parse_args(base + [f"--set={s}" for s in sets])
+        with pytest.raises(Stop):
+            study.run_study(args, target=tiny_target)
+        assert loaded == expected
+        assert trained_on == [tiny_target if not expected else "the training target"]
