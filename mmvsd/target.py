@@ -6,6 +6,7 @@ ids and an additive 4D attention mask over the cache (never a mask set on the mo
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,12 @@ def gqa_sdpa_attention(module: nn.Module, query: Tensor, key: Tensor, value: Ten
 
 AttentionInterface.register(GQA_SDPA, gqa_sdpa_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(GQA_SDPA, sdpa_mask)
+
+
+def own_precision(device: torch.device) -> AbstractContextManager:
+    """Autocast off: inside it the target's arithmetic is its own dtype's (or fp32 where asked), not the autocast
+    dtype a training step computes the drafter in."""
+    return torch.autocast(device.type, enabled=False) if device.type in ("cpu", "cuda") else nullcontext()
 
 
 @dataclass(frozen=True)
@@ -124,15 +131,16 @@ class Target:
         past_lens [B, N]: committed tokens each new token sees (default all: see RaggedCache).
         """
         mask = cache.attention_mask(block_mask, self.dtype, past_lens)
-        out = self.model.model(
-            input_ids=None if inputs_embeds is not None else token_ids,
-            inputs_embeds=inputs_embeds,
-            attention_mask=mask,
-            position_ids=cache.positions(depths, past_lens),
-            cache=cache.kv,
-            use_cache=True,
-            output_hidden_states=need_aux,
-        )
+        with own_precision(token_ids.device):  # the target computes in its dtype, also inside a bf16 training step
+            out = self.model.model(
+                input_ids=None if inputs_embeds is not None else token_ids,
+                inputs_embeds=inputs_embeds,
+                attention_mask=mask,
+                position_ids=cache.positions(depths, past_lens),
+                cache=cache.kv,
+                use_cache=True,
+                output_hidden_states=need_aux,
+            )
         last_hidden = out.last_hidden_state  # [B, N, H]
         hidden = last_hidden
         if logit_positions is not None:
@@ -150,12 +158,14 @@ class Target:
     @torch.no_grad()
     def float_logits(self, last_hidden: Tensor) -> Tensor:
         """[..., V] fp32 logits: the LM head computed in fp32 from the (maybe half-precision) hidden states, so a
-        bf16 target's log-probabilities are not rounded to bf16 (whose logits carry ~0.1 nats of error at 20)."""
+        bf16 target's log-probabilities are not rounded to bf16 (whose logits carry ~0.1 nats of error at 20); also
+        under a training step's bf16 autocast, which would otherwise run this product in bf16."""
         head = self.model.get_output_embeddings()
-        if head.weight.dtype == torch.float32 and last_hidden.dtype == torch.float32:
-            return head(last_hidden)
-        bias = None if getattr(head, "bias", None) is None else head.bias.float()
-        return torch.nn.functional.linear(last_hidden.float(), head.weight.float(), bias)
+        with own_precision(last_hidden.device):
+            if head.weight.dtype == torch.float32 and last_hidden.dtype == torch.float32:
+                return head(last_hidden)
+            bias = None if getattr(head, "bias", None) is None else head.bias.float()
+            return torch.nn.functional.linear(last_hidden.float(), head.weight.float(), bias)
 
     def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a user prompt, through the chat template when the tokenizer has one."""

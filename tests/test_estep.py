@@ -416,3 +416,18 @@ def test_run_estep_proposals_equal_to_z_bar_always_pass(tiny_target, fitted_draf
     oracles = estep_oracles(paths, ObjectiveConfig(path_length=4))
     assert same.sum() > 20
     assert oracles.passed[same & paths.mask].all() and not oracles.passed[~paths.mask].any()
+
+
+def test_the_target_scores_paths_in_its_own_precision_inside_a_bf16_training_step(tiny_target):
+    """A training step runs its objective under bf16 autocast (the drafter's); the target's forwards and its fp32
+    head (kappa, acceptance) must not follow it: the same scores with autocast on as off, in fp32."""
+    batch, gen = make_batch(tiny_target, seed=2)
+    anchors, _ = choose_anchors(batch.tokens, 2, gen)
+    paths = torch.randint(28, VOCAB, (2, 2, 3, 3), generator=gen)
+    plain = score_paths_packed(tiny_target, batch.target_cache, batch, anchors, paths)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = score_paths_packed(tiny_target, batch.target_cache, batch, anchors, paths)
+        logits = tiny_target.float_logits(batch.target_hidden)
+    assert inside.dtype == logits.dtype == torch.float32
+    torch.testing.assert_close(inside, plain, rtol=0, atol=0)
+    torch.testing.assert_close(logits, tiny_target.float_logits(batch.target_hidden), rtol=0, atol=0)
