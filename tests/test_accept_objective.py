@@ -53,8 +53,8 @@ def test_ce_plus_accept_is_ce_plus_weighted_accept(tiny_target):
 
 
 def test_ce_plus_accept_runs_the_drafter_once_with_the_separate_terms_gradient(tiny_target, monkeypatch):
-    """The terms share one unroll and one draft-LM-head pass per step (`objectives.Unroll`), and the shared pass
-    gives the very gradient of the two terms computed apart."""
+    """The terms share one unroll and one draft-LM-head pass per step (`objectives.Unroll`), and one target LM head
+    (in fp32, as accept needs), and the shared passes give the very gradient of the two terms computed apart."""
     batch, drafter = setup(tiny_target)
     config = ObjectiveConfig(ttt_steps=3, accept_weight=0.5)
     generator = torch.Generator().manual_seed(0)
@@ -67,16 +67,21 @@ def test_ce_plus_accept_runs_the_drafter_once_with_the_separate_terms_gradient(t
 
     ce_loss, ce_grads = grads("ce")
     accept_loss, accept_grads = grads("accept")
-    calls = {"read_target": 0, "draft_logprobs": 0}
+    calls = {"read_target": 0, "draft_logprobs": 0, "logits": 0, "float_logits": 0}
     for name in calls:
-        method = getattr(drafter, name)
+        owner = tiny_target if name.endswith("logits") and name != "draft_logprobs" else drafter
+        method = getattr(owner, name)
 
         def counted(*args, _method=method, _name=name, **kwargs):
             calls[_name] += 1
             return _method(*args, **kwargs)
-        monkeypatch.setattr(drafter, name, counted)
+        monkeypatch.setattr(owner, name, counted)
     both_loss, both_grads = grads("ce+accept")
-    assert calls == {"read_target": 1, "draft_logprobs": 3}  # one unroll, one head pass per step
+    # one unroll, one draft head pass per step, one fp32 target head
+    assert calls == {"read_target": 1, "draft_logprobs": 3, "logits": 0, "float_logits": 1}
+    calls.update(dict.fromkeys(calls, 0))
+    grads("ce")
+    assert (calls["logits"], calls["float_logits"]) == (1, 0)  # ce alone: the target's head in its own dtype
     torch.testing.assert_close(both_loss, ce_loss + 0.5 * accept_loss)
     for both, ce, accept in zip(both_grads, ce_grads, accept_grads, strict=True):
         torch.testing.assert_close(both, ce + 0.5 * accept)

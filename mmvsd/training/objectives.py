@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mmvsd.drafter_base import Drafter, target_to_draft_ids
+from mmvsd.drafter_base import Drafter
 from mmvsd.errors import UserError
 from mmvsd.target import Target
 from mmvsd.training.distributed import Mean, batch_mean
@@ -146,24 +146,51 @@ Metrics = dict[str, float]
 Objective = Callable[[Drafter, Target, FeatureBatch, torch.Generator, Mean], tuple[Tensor, Metrics]]
 
 
-def draft_vocab_logits(target: Target, drafter: Drafter, target_hidden: Tensor) -> tuple[Tensor, Tensor]:
-    """Target logits over the draft vocabulary [..., Vd] and whether the full top-1 is in it [...]."""
-    logits = target.logits(target_hidden)  # [..., V]
-    in_vocab = target_to_draft_ids(drafter, logits.shape[-1]) >= 0
-    return logits[..., drafter.draft_vocab_target_ids()].float(), in_vocab[logits.argmax(-1)]
+@dataclass
+class TargetLabels:
+    """The target's side of a batch, as the unrolled terms read it."""
+
+    draft_logits: Tensor  # [B, T, Vd] fp32 logits over the draft vocabulary
+    top1_in_vocab: Tensor  # [B, T] whether a full-vocabulary top-1 (any of them, when tied) is in the draft vocabulary
+    log_normaliser: Tensor | None  # [B, T] logsumexp over the full vocabulary (precise labels only)
+    precise: bool  # computed from fp32 logits (`Target.float_logits`)
+
+    def full_probs(self) -> Tensor:
+        """[B, T, Vd] the target's full-vocabulary probabilities of the draft vocabulary's tokens (not
+        renormalised over it)."""
+        return (self.draft_logits - self.log_normaliser.unsqueeze(-1)).exp()
 
 
 class Unroll:
     """One batch through the training-time test, shared by the terms that read it (ce, accept, topk_kl): an
-    objective of several of them runs the drafter's unroll and LM head once. Step i at anchor t predicts token
-    t+2+i; `label_mask(i)` marks the anchors whose label is a loss token, `draft_logprobs(i, n)` holds the
-    drafter's log-probabilities there (rows in the mask's order)."""
+    objective of several of them runs the drafter's unroll and LM head once, and the target's LM head once
+    (`target_labels`). Step i at anchor t predicts token t+2+i; `label_mask(i)` marks the anchors whose label is
+    a loss token, `draft_logprobs(i, n)` holds the drafter's log-probabilities there (rows in the mask's order).
+    `precise_labels`: the target's head in fp32 from the start (an objective with `accept`, which needs it)."""
 
-    def __init__(self, drafter: Drafter, batch: FeatureBatch) -> None:
+    def __init__(self, drafter: Drafter, batch: FeatureBatch, precise_labels: bool = False) -> None:
         self.drafter = drafter
         self.batch = batch
+        self.precise_labels = precise_labels
         self._hiddens: list[Tensor] = []
         self._logprobs: dict[int, Tensor] = {}
+        self._labels: TargetLabels | None = None
+
+    def target_labels(self, target: Target, precise: bool = False) -> TargetLabels:
+        """The target's logits over the draft vocabulary and what the terms read of the full ones, from one LM head
+        over the batch. `precise` (or `precise_labels`): from fp32 logits, as acceptance needs (a bf16 head's
+        logits carry ~0.1 nats of error); otherwise in the target's dtype, a fraction of the fp32 head's cost on a
+        bf16 target, enough for ce's soft labels. Precise labels, once made, serve every request."""
+        precise = precise or self.precise_labels
+        if self._labels is None or (precise and not self._labels.precise):
+            hidden = self.batch.target_hidden
+            logits = target.float_logits(hidden) if precise else target.logits(hidden)  # [B, T, V]
+            draft = logits[..., self.drafter.draft_vocab_target_ids()]  # [B, T, Vd]
+            # a maximum, not an argmax: a fifth of its time over a 152k vocabulary in bf16 on a CPU
+            self._labels = TargetLabels(draft_logits=draft.float(), top1_in_vocab=draft.amax(-1) >= logits.amax(-1),
+                                        log_normaliser=torch.logsumexp(logits, -1) if precise else None,
+                                        precise=precise)
+        return self._labels
 
     def hiddens(self, num_steps: int) -> list[Tensor]:
         """The hidden outputs [B, T, H] of the first `num_steps` steps (a longer unroll's prefix: step i reads
@@ -203,21 +230,22 @@ def ce_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: Objec
     positions, or over every process's, mmvsd.training.distributed)."""
     unroll = unroll or Unroll(drafter, batch)
     # step i at anchor t predicts token t+2+i, whose target distribution sits at position t+1+i
-    target_logits, top1_in_vocab = draft_vocab_logits(target, drafter, batch.target_hidden)  # [B, T, Vd], [B, T]
+    labels = unroll.target_labels(target)
+    top1_in_vocab = labels.top1_in_vocab  # [B, T]
     # each position's label distribution and top-1, once: step i reads position t+1+i of anchor t
-    target_probs, target_top1 = torch.softmax(target_logits, -1), target_logits.argmax(-1)
-    del target_logits
+    target_probs, target_top1 = torch.softmax(labels.draft_logits, -1), labels.draft_logits.argmax(-1)
     total = torch.zeros((), device=target_probs.device)
     metrics: Metrics = {}
     for step in range(config.ttt_steps):
         label = unroll.label_mask(step)
-        counted = shifted(top1_in_vocab, step + 1, False)  # a target top-1 outside the draft vocabulary: no label
-        mask = label & counted
-        draft_logprobs = unroll.draft_logprobs(step, config.ttt_steps)[counted[label]]  # [N, Vd]
-        soft_ce = -(label_rows(target_probs, step, mask) * draft_logprobs).sum(-1)  # [N]
-        count = mask.sum()
-        total = total + config.ttt_decay**step * mean(soft_ce.sum(), count)
-        correct = draft_logprobs.argmax(-1) == label_rows(target_top1, step, mask)
+        # [N] per label anchor: a target top-1 outside the draft vocabulary has no label there, so its row weighs 0
+        # (cheaper than gathering the other rows of the [N, Vd] log-probabilities and scattering their gradient)
+        counted = shifted(top1_in_vocab, step + 1, False)[label]
+        draft_logprobs = unroll.draft_logprobs(step, config.ttt_steps)  # [N, Vd]
+        soft_ce = -(label_rows(target_probs, step, label) * draft_logprobs).sum(-1)  # [N]
+        count = counted.sum()
+        total = total + config.ttt_decay**step * mean((soft_ce * counted).sum(), count)
+        correct = (draft_logprobs.argmax(-1) == label_rows(target_top1, step, label)) & counted
         metrics[f"acc_{step}"] = float(mean(correct.sum().float(), count))
     metrics["ce"] = float(total.detach())
     return total, metrics
@@ -299,7 +327,7 @@ def topk_kl_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: 
     """
     unroll = unroll or Unroll(drafter, batch)
     num_steps = config.ttt_steps if config.kl_depth == "all" else 1
-    target_logits, _ = draft_vocab_logits(target, drafter, batch.target_hidden)  # [B, T, Vd]
+    target_logits = unroll.target_labels(target).draft_logits  # [B, T, Vd]
     total = torch.zeros((), device=target_logits.device)
     metrics: Metrics = {}
     for step in range(num_steps):
@@ -324,9 +352,8 @@ def step_acceptance(drafter: Drafter, target: Target, batch: FeatureBatch, num_s
                     unroll: Unroll | None = None) -> list[tuple[Tensor, Tensor]]:
     """Per unrolled step i: (acceptance [B, T] of the drafter's distribution at anchor t for token t+2+i against
     the target's at position t+1+i, whether token t+2+i is a loss token [B, T]); the unroll of `ce`."""
-    unroll = unroll or Unroll(drafter, batch)
-    full = torch.log_softmax(target.float_logits(batch.target_hidden), dim=-1)  # [B, T, V]
-    target_probs = full[..., drafter.draft_vocab_target_ids()].exp()  # [B, T, Vd], not renormalised
+    unroll = unroll or Unroll(drafter, batch, precise_labels=True)
+    target_probs = unroll.target_labels(target, precise=True).full_probs()  # [B, T, Vd], not renormalised
     steps = []
     for step in range(num_steps):
         mask = unroll.label_mask(step)
@@ -381,11 +408,12 @@ def make_objective(name: str, config: ObjectiveConfig) -> Objective:
     """
     config.validate(name)
     weights = term_weights(name, config)
+    precise = weights.get("accept", 0) != 0  # its fp32 target head serves ce's labels too
 
     def objective(drafter: Drafter, target: Target, batch: FeatureBatch, generator: torch.Generator,
                   mean: Mean = batch_mean):
         total, metrics = None, {}
-        unroll = Unroll(drafter, batch)  # computed once, read by every unrolled term
+        unroll = Unroll(drafter, batch, precise_labels=precise)  # computed once, read by every unrolled term
         for term, weight in weights.items():
             if weight == 0:
                 continue
