@@ -15,7 +15,7 @@ record counts. Memory per GPU is a model:
 - an E-step objective's paths (vsd, vsd-rloo; an estimate of the packed scoring, the E-step's peak): the drafter's
   pass kept for backward (its layer over the sequence, then L depths of A x (S + S') nodes per row) beside the
   target's scoring block (A x S x (L - 1) trie nodes per row at most: their KV and fp32 log-probabilities). On one
-  H200 (docs/gpu-llava.md) it came out 6% under the measured peak of the 13B recipe: not an upper bound.
+  H200 (docs/gpu-llava.md) it came out 10% under the measured peak of the 13B recipe: not an upper bound.
 """
 
 from __future__ import annotations
