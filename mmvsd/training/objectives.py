@@ -179,8 +179,9 @@ class Unroll:
     def target_labels(self, target: Target, precise: bool = False) -> TargetLabels:
         """The target's logits over the draft vocabulary and what the terms read of the full ones, from one LM head
         over the batch. `precise` (or `precise_labels`): from fp32 logits, as acceptance needs (a bf16 head's
-        logits carry ~0.1 nats of error); otherwise in the target's dtype, a fraction of the fp32 head's cost on a
-        bf16 target, enough for ce's soft labels. Precise labels, once made, serve every request."""
+        logits carry ~0.1 nats of error); otherwise as the step computes (`Target.logits`: the target's dtype, or
+        autocast's), a fraction of the fp32 head's cost on a CPU, enough for ce's soft labels. Precise labels, once
+        made, serve every request."""
         precise = precise or self.precise_labels
         if self._labels is None or (precise and not self._labels.precise):
             hidden = self.batch.target_hidden
