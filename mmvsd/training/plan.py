@@ -10,8 +10,8 @@ record counts. Memory per GPU is a model:
   gradient buckets (20 bytes per parameter); under ZeRO-2 in bf16, bf16 weights and gradients on every GPU
   and the fp32 master weights, moments and gradient partition shared across the N GPUs (4 + 16 / N bytes);
 - activations (an upper bound for one micro-batch at `max_length`, as if every position were a loss position): the
-  target features and KV cache kept for the step, the target's logits, and the drafter's unrolled steps with
-  their fp32 log-probabilities over the draft vocabulary;
+  target features and KV cache kept for the step, the target's logits (fp32 with `accept`), and the drafter's
+  unrolled steps with their fp32 log-probabilities over the draft vocabulary;
 - an E-step objective's paths (vsd, vsd-rloo; an estimate of the packed scoring, the E-step's peak): the drafter's
   pass kept for backward (its layer over the sequence, then L depths of A x (S + S') nodes per row) beside the
   target's scoring block (A x S x (L - 1) trie nodes per row at most: their KV and fp32 log-probabilities). On one
@@ -126,7 +126,10 @@ def activation_bytes(config: TrainConfig, target: Target, draft_vocab: int) -> i
     """An estimate of one micro-batch's activations at max_length (module docstring)."""
     rows, half = config.batch_size * config.max_length, 2
     features = rows * (len(target.aux_layer_ids) + 1) * target.hidden_size * half
-    target_logits = rows * target.vocab_size * half + rows * draft_vocab * 4
+    # the target's head over the batch (in fp32 for an objective with `accept`, whose probabilities it keeps too:
+    # objectives.Unroll.target_labels) and the labels over the draft vocabulary
+    precise = "accept" in TERM_WEIGHTS[config.objective]
+    target_logits = rows * target.vocab_size * (4 if precise else half) + rows * draft_vocab * 4 * (1 + precise)
     per_step = rows * drafted_row_bytes(config, target, draft_vocab)
     return (features + rows * kv_bytes_per_token(target) + target_logits + config.loss.ttt_steps * per_step
             + estep_bytes(config, target, draft_vocab))
