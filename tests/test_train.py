@@ -105,8 +105,10 @@ def test_resume_ends_with_the_same_weights(setup, tmp_path, capsys, monkeypatch)
     assert code == 2 and "--resume" in err  # never silently restarts over an earlier run
     code, err = train_cli(capsys, target, data, tmp_path / "cut", *common[:-1], "learning_rate=0.02", "--resume")
     assert code == 2 and "settings differ (learning_rate: 0.01 -> 0.02)" in err
-    # a time budget is this process's own: a resumed run may get another one (max_minutes)
-    assert train_cli(capsys, target, data, tmp_path / "cut", *common, "max_minutes=30", "--resume")[0] == 0
+    # a time budget is this process's own: a resumed run may get another one (max_minutes); so are the target's
+    # kernels (target_engine: a run begun before its default became stock resumes on either)
+    assert train_cli(capsys, target, data, tmp_path / "cut", *common, "max_minutes=30", "target_engine=exact",
+                     "--resume")[0] == 0
     full = load_file(str(tmp_path / "full" / "model.safetensors"))
     resumed = load_file(str(tmp_path / "cut" / "model.safetensors"))
     assert full.keys() == resumed.keys()
@@ -294,14 +296,14 @@ def test_target_loads_on_the_training_device(setup, tmp_path, capsys, monkeypatc
 
 @pytest.mark.parametrize("engine", ["exact", "stock"])
 def test_target_engine_chooses_decoding_s_exact_kernels_or_torch_s(setup, tmp_path, capsys, monkeypatch, engine):
-    """`target_engine=stock` trains on torch's own kernels; `exact` (the default) asks for decoding's engine, which
+    """`target_engine=stock` (the default) trains on torch's own kernels; `exact` asks for decoding's engine, which
     a CPU without exact bf16 rows declines (so only the request is checked there)."""
     target, data = setup
     loaded = []
     real_load = trainer.load_target
     monkeypatch.setattr(trainer, "load_target", lambda *args, **kwargs: loaded.append((kwargs["exact"], real_load(
         *args, **kwargs))) or loaded[-1][1])
-    extra = [] if engine == "exact" else ["target_engine=stock"]
+    extra = [] if engine == "stock" else ["target_engine=exact"]
     code, err = train_cli(capsys, target, data, tmp_path / "out", "max_steps=1", "target_dtype=bf16", *extra)
     assert code == 0, err
     [(exact, loaded_target)] = loaded

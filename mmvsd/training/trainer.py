@@ -61,7 +61,8 @@ STATE_FILE = "trainer_state.json"
 RESUMABLE_CHANGES = {"progress", "log_every", "save_every", "keep_checkpoints", "max_bad_steps", "eval_every",
                      "eval_prompts", "eval_limit", "eval_max_new_tokens", "eval_tree",
                      "max_minutes", "stop_at_step",  # this process's budget: the schedule follows max_steps
-                     "output"}  # the run's folder, which may have moved or be named by another path
+                     "output",  # the run's folder, which may have moved or be named by another path
+                     "target_engine"}  # the target's kernels, not what it computes (features differ in the last bits)
 BATCH_KEYS = {"batch_size", "global_batch_size"}  # compared as the global batch they give (`check_resume_split`)
 VAL_LOG = "val_tau.jsonl"  # one line per validation-tau evaluation (also in TensorBoard as val/*)
 
