@@ -618,6 +618,8 @@ def check_args(args: argparse.Namespace, arms: list[Arm]) -> None:
 
 def run_study(args: argparse.Namespace, target=None) -> list[dict]:
     """Train every run, evaluate them and the init drafter, write the reports; returns the summary rows."""
+    import torch
+
     from mmvsd.target_loader import load_target
     from mmvsd.training.trainer import TARGET_DTYPES, load_training_target
 
@@ -626,8 +628,10 @@ def run_study(args: argparse.Namespace, target=None) -> list[dict]:
     # every run's config is valid before any training starts
     configs = [run_config(args, arm, 0, args.steps, Path(args.out) / "runs" / "check") for arm in arms]
     target = target if target is not None else load_target(args.target)  # evaluation: fp32 unless given
-    # training: the target as `mmvsd train` loads it (the config's target_dtype and target_engine)
-    same = target.dtype == TARGET_DTYPES[configs[0].target_dtype] and configs[0].target_engine == "exact"
+    # training: the target as `mmvsd train` loads it (the config's target_dtype and target_engine; the engine only
+    # changes a half-precision target)
+    dtype = TARGET_DTYPES[configs[0].target_dtype]
+    same = target.dtype == dtype and (dtype == torch.float32 or configs[0].target_engine == "exact")
     train_target = target if same else load_training_target(configs[0], "cpu")
     runs = [run for run in train_all(args, train_target, arms) if run["budget"] in args.evaluate_budgets]
     specs = [s for s in args.eval_prompts.split(",") if s]
