@@ -140,6 +140,7 @@ TERM_KEYS = {"ce": "loss.ce_weight", "vsd": "loss.vsd_weight", "topk_kl": "loss.
 OBJECTIVE_NAMES = tuple(TERM_WEIGHTS)
 # terms that run an E-step (estep.py) -> whether its drafter pass also scores the target's S corrections and z_bar
 ESTEP_TERMS = {"vsd": True, "vsd_rloo": False}
+PRECISE_LABEL_TERMS = ("accept",)  # terms that read the target's head in fp32 (`Unroll.target_labels`)
 
 
 Metrics = dict[str, float]
@@ -353,7 +354,7 @@ def step_acceptance(drafter: Drafter, target: Target, batch: FeatureBatch, num_s
                     unroll: Unroll | None = None) -> list[tuple[Tensor, Tensor]]:
     """Per unrolled step i: (acceptance [B, T] of the drafter's distribution at anchor t for token t+2+i against
     the target's at position t+1+i, whether token t+2+i is a loss token [B, T]); the unroll of `ce`."""
-    unroll = unroll or Unroll(drafter, batch, precise_labels=True)
+    unroll = unroll or Unroll(drafter, batch)
     target_probs = unroll.target_labels(target, precise=True).full_probs()  # [B, T, Vd], not renormalised
     steps = []
     for step in range(num_steps):
@@ -409,7 +410,7 @@ def make_objective(name: str, config: ObjectiveConfig) -> Objective:
     """
     config.validate(name)
     weights = term_weights(name, config)
-    precise = weights.get("accept", 0) != 0  # its fp32 target head serves ce's labels too
+    precise = any(weights.get(term, 0) != 0 for term in PRECISE_LABEL_TERMS)  # their fp32 head serves ce's too
 
     def objective(drafter: Drafter, target: Target, batch: FeatureBatch, generator: torch.Generator,
                   mean: Mean = batch_mean):

@@ -39,7 +39,7 @@ from mmvsd.training.config import TrainConfig
 from mmvsd.training.dataset import data_specs
 from mmvsd.training.drafter_init import resolve_init
 from mmvsd.training.feature_cache import feature_bytes_per_token
-from mmvsd.training.objectives import ESTEP_TERMS, TERM_WEIGHTS
+from mmvsd.training.objectives import ESTEP_TERMS, PRECISE_LABEL_TERMS, TERM_WEIGHTS
 from mmvsd.training.trainer import check_dataset_exists, dataset_image_root, total_steps
 
 TARGET_CONFIGS = Path(mmvsd.configs.__file__).parent / "targets"  # full-size configs of the LLaVA-1.5 names
@@ -128,7 +128,7 @@ def activation_bytes(config: TrainConfig, target: Target, draft_vocab: int) -> i
     features = rows * (len(target.aux_layer_ids) + 1) * target.hidden_size * half
     # the target's head over the batch (in fp32 for an objective with `accept`, whose probabilities it keeps too:
     # objectives.Unroll.target_labels) and the labels over the draft vocabulary
-    precise = "accept" in TERM_WEIGHTS[config.objective]
+    precise = any(term in TERM_WEIGHTS[config.objective] for term in PRECISE_LABEL_TERMS)
     target_logits = rows * target.vocab_size * (4 if precise else half) + rows * draft_vocab * 4 * (1 + precise)
     per_step = rows * drafted_row_bytes(config, target, draft_vocab)
     return (features + rows * kv_bytes_per_token(target) + target_logits + config.loss.ttt_steps * per_step
