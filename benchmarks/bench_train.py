@@ -6,7 +6,7 @@ as they are the same for all). Reports medians and ratios to `ce`, and writes JS
 
     python benchmarks/bench_train.py --target smollm2-135m --rounds 5 --max-length 512
     python benchmarks/bench_train.py --target qwen2.5-coder-1.5b --target-dtype bf16 --precision bf16 \
-        --target-engine stock --variants ce --ttt-steps 6 --batch-size 4 --draft-vocab-size 32000 --rounds 2
+        --variants ce --ttt-steps 6 --batch-size 4 --draft-vocab-size 32000 --rounds 2
 
 `--target-dtype bf16` loads the target as `mmvsd train` does with `target_dtype=bf16` (`--target-engine`: decoding's
 exact engine or torch's kernels), `--precision bf16` runs the step under bf16 autocast with fp32 master weights.
@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 
 from mmvsd.drafters.eagle3 import Eagle3Drafter
-from mmvsd.target_loader import load_target
+from mmvsd.training.config import TrainConfig
 from mmvsd.training.dataset import draft_vocab_from_counts, load_examples, token_frequencies
 from mmvsd.training.features import capture_features, collate
 from mmvsd.training.objectives import ObjectiveConfig, make_objective
-from mmvsd.training.trainer import TARGET_DTYPES, fp32_master_weights
+from mmvsd.training.trainer import fp32_master_weights, load_training_target
 
 
 def parse_args() -> argparse.Namespace:
@@ -41,7 +41,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--anchors", type=int, default=8)
     p.add_argument("--draft-vocab-size", type=int, default=8192)
     p.add_argument("--target-dtype", default="fp32", choices=("fp32", "bf16"))
-    p.add_argument("--target-engine", default="exact", choices=("exact", "stock"))
+    p.add_argument("--target-engine", default=TrainConfig.target_engine, choices=("exact", "stock"))
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--ttt-steps", type=int, default=ObjectiveConfig.ttt_steps)
     p.add_argument("--variants", default="ce,vsd:S=8,vsd:S=40,vsd:S=8:L=4,vsd:S=8:A=4,vsd-kl:S=8")
@@ -73,7 +73,8 @@ def timed_step(objective, drafter, optimizer, target, batch, seed: int, bf16: bo
 def main() -> None:
     args = parse_args()
     torch.manual_seed(0)
-    target = load_target(args.target, dtype=TARGET_DTYPES[args.target_dtype], exact=args.target_engine == "exact")
+    target = load_training_target(TrainConfig(target=args.target, target_dtype=args.target_dtype,
+                                              target_engine=args.target_engine), "cpu")
     split = load_examples(target, args.data, num_conversations=args.num_conversations, max_length=args.max_length,
                           validation_fraction=0.0, seed=0, progress=False)
     examples = sorted(split.train, key=lambda ex: -len(ex.input_ids))  # the longest: full-length batches
