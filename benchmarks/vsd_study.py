@@ -23,7 +23,8 @@ small learning rate (5e-6 vs 3e-4 from scratch). This study does the same on CPU
 Writes OUT/study.json (config, every run, per-prompt counts, summary, the pre-registered decision: `decide`),
 OUT/study.md (table and decision) and OUT/study.png. Runs already trained under OUT/runs/ are reused (delete one
 to retrain it), and so are measurements already made (OUT/eval_cache.json, keyed by the drafter's weights,
-prompts, tree and metric).
+prompts, tree and metric). `--evaluate-finished` with the same arguments makes those measurements for the runs
+trained so far, beside a study that is still training.
 
     python benchmarks/vsd_study.py --init runs/ce_main --out benchmarks/results/vsd_study \\
         --feature-cache runs/cache --steps 60 --seeds 3 --lr 3e-5 \\
@@ -333,7 +334,9 @@ def evaluate_all(args: argparse.Namespace, target, runs: list[dict], prompt_sets
     (the neural drafter alone: no n-gram branches in its trees, which would blur the comparison).
 
     Each measurement is kept in OUT/eval_cache.json as soon as it is made, keyed by `evaluation_key`, so
-    an interrupted study, or one asked for another budget or metric, measures only what is new."""
+    an interrupted study, or one asked for another budget or metric, measures only what is new. Two evaluators
+    may share the file (`--evaluate-finished` beside the study): each reads the other's measurements before
+    making one and merges them into what it writes (a measurement lost to a write in between is made again)."""
     from mmvsd.decoding.tree import TreeShape
     from mmvsd.drafters.spec import neural_drafter_from_spec
     from mmvsd.files import atomic_file
@@ -341,7 +344,7 @@ def evaluate_all(args: argparse.Namespace, target, runs: list[dict], prompt_sets
 
     shape = TreeShape.parse(args.tree)
     cache_path = Path(args.out) / EVAL_CACHE_FILE
-    cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
+    cache = read_cache(cache_path)
     folders = [args.init] + sorted({r["folder"] for r in runs})
     counts: dict = {}
     for folder in folders:
@@ -353,10 +356,13 @@ def evaluate_all(args: argparse.Namespace, target, runs: list[dict], prompt_sets
             for ps in prompt_sets:
                 key = evaluation_key(args, digest, metric, ps)
                 if key not in cache:
+                    cache.update(read_cache(cache_path))  # what an --evaluate-finished process beside it measured
+                if key not in cache:
                     accept = args.accept_depth if metric == "accept" else 0
                     temperature = 0.0 if metric == "accept" else float(metric)
                     cache[key] = measure_counts(target, drafter, ps, shape, temperature, seed=args.eval_seed,
                                                 sampled_limit=args.sampled_limit, accept_depth=accept)
+                    cache = {**read_cache(cache_path), **cache}  # keep what the other one wrote meanwhile
                     with atomic_file(cache_path) as handle:
                         json.dump(cache, handle)
                 by_set[ps.name] = [list(cache[key][0]), list(cache[key][1])]
@@ -364,6 +370,15 @@ def evaluate_all(args: argparse.Namespace, target, runs: list[dict], prompt_sets
 
 
 # ----------------------------------------------------------------------------- summary and reports
+
+
+def read_cache(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def finished_runs(args: argparse.Namespace) -> list[dict]:
+    """The records of the runs already trained under OUT/runs (any budget)."""
+    return [json.loads(p.read_text()) for p in sorted((Path(args.out) / "runs").glob(f"*/{RUN_FILE}"))]
 
 
 def arm_counts(counts: dict, folders: list[str], metric: str, set_names: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -584,6 +599,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sampled-limit", type=int, default=0,
                    help="prompts per set at T > 0 (0: all --eval-limit); sampling runs the whole decode loop")
     p.add_argument("--eval-seed", type=int, default=0)
+    p.add_argument("--evaluate-finished", action="store_true",
+                   help="measure the runs trained so far into OUT's cache and train nothing (beside a study that "
+                   "is still training; the same other arguments)")
     p.add_argument("--bootstrap", type=int, default=2000)
     p.add_argument("--bootstrap-seed", type=int, default=0)
     p.add_argument("--goal-ratio", type=float, default=1.05)
@@ -616,6 +634,25 @@ def check_args(args: argparse.Namespace, arms: list[Arm]) -> None:
                         "steps")
 
 
+def study_prompt_sets(args: argparse.Namespace, target) -> list[PromptSet]:
+    specs = [s for s in args.eval_prompts.split(",") if s]
+    return load_prompt_sets(target, specs, args.eval_limit, args.max_new_tokens,
+                            sample_seed=args.eval_seed if args.accept_depth else None)
+
+
+def evaluate_finished(args: argparse.Namespace, target=None) -> int:
+    """--evaluate-finished: measure the init drafter and every run trained so far into OUT/eval_cache.json and
+    train nothing; returns how many runs it found. Run beside a study still training (on a small CPU one
+    thread each: the evaluation's small decode steps gain little from a second thread), so the study's own
+    evaluation later finds those measurements made."""
+    from mmvsd.target_loader import load_target
+
+    target = target if target is not None else load_target(args.target)
+    runs = finished_runs(args)
+    evaluate_all(args, target, runs, study_prompt_sets(args, target))
+    return len(runs)
+
+
 def run_study(args: argparse.Namespace, target=None) -> list[dict]:
     """Train every run, evaluate them and the init drafter, write the reports; returns the summary rows."""
     import torch
@@ -634,9 +671,7 @@ def run_study(args: argparse.Namespace, target=None) -> list[dict]:
     same = target.dtype == dtype and (dtype == torch.float32 or configs[0].target_engine == "exact")
     train_target = target if same else load_training_target(configs[0], "cpu")
     runs = [run for run in train_all(args, train_target, arms) if run["budget"] in args.evaluate_budgets]
-    specs = [s for s in args.eval_prompts.split(",") if s]
-    prompt_sets = load_prompt_sets(target, specs, args.eval_limit, args.max_new_tokens,
-                                   sample_seed=args.eval_seed if args.accept_depth else None)
+    prompt_sets = study_prompt_sets(args, target)
     counts = evaluate_all(args, target, runs, prompt_sets)
     rows = summarise(args, runs, counts, [ps.name for ps in prompt_sets])
     write_outputs(args, runs, counts, rows)
@@ -648,6 +683,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     try:
+        if args.evaluate_finished:
+            found = evaluate_finished(args)
+            print(f"study: the init drafter and {found} trained run(s) measured into "
+                  f"{Path(args.out) / EVAL_CACHE_FILE}")
+            return 0
         rows = run_study(args)
     except UserError as err:
         print(f"mmvsd: error: {err}", file=sys.stderr)

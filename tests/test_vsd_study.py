@@ -229,6 +229,46 @@ def test_measurements_are_cached_by_weights_and_settings(study, tmp_path, monkey
     assert calls == [(1.0, 1.0)]  # three sampled prompts are another measurement than two
 
 
+def test_evaluate_finished_measures_the_trained_runs_for_the_study_and_shares_the_cache(study, tmp_path,
+                                                                                         monkeypatch):
+    """--evaluate-finished measures the init drafter and every trained run (train nothing), and the study's own
+    evaluation then measures nothing again; a measurement written by the other evaluator meanwhile is kept."""
+    import torch
+
+    class Tiny(torch.nn.Module):
+        def __init__(self, value):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.full((2,), value))
+
+    drafters = {"init": Tiny(0.0), str(tmp_path / "runs/ce-steps-s0"): Tiny(1.0),
+                str(tmp_path / "runs/recipe-steps-s0"): Tiny(2.0)}
+    calls = []
+    cache_path = tmp_path / study.EVAL_CACHE_FILE
+
+    def fake_measure(target, drafter, ps, shape, temperature, seed=0, batch_size=8, sampled_limit=0, accept_depth=0):
+        calls.append(drafter.w[0].item())
+        if drafter.w[0].item() == 2.0:  # the other process writes a measurement while this one is measured
+            written = json.loads(cache_path.read_text())
+            cache_path.write_text(json.dumps({**written, "other": [[1], [1]]}))
+        return [3] * len(ps.prompts), [2] * len(ps.prompts)
+
+    monkeypatch.setattr(study, "measure_counts", fake_measure)
+    monkeypatch.setattr("mmvsd.drafters.spec.neural_drafter_from_spec", lambda folder, target: drafters[folder])
+    monkeypatch.setattr(study, "study_prompt_sets", lambda args, target: [study.PromptSet("p", [None] * 4)])
+    for name in ("ce-steps-s0", "recipe-steps-s0"):
+        (tmp_path / "runs" / name).mkdir(parents=True)
+        (tmp_path / "runs" / name / study.RUN_FILE).write_text(json.dumps({"folder": str(tmp_path / "runs" / name)}))
+    (tmp_path / "runs" / "accept-steps-s0").mkdir()  # still training: no record, not measured
+    args = study.parse_args(["--init", "init", "--out", str(tmp_path), "--evaluate-finished"])
+    assert study.evaluate_finished(args, target=object()) == 2
+    assert calls == [0.0, 1.0, 2.0]
+    assert "other" in json.loads(cache_path.read_text())  # merged, not overwritten
+    calls.clear()
+    runs = [{"folder": str(tmp_path / "runs" / name)} for name in ("ce-steps-s0", "recipe-steps-s0")]
+    counts = study.evaluate_all(args, None, runs, [study.PromptSet("p", [None] * 4)])
+    assert calls == [] and counts[runs[1]["folder"]]["0"]["p"] == [[3] * 4, [2] * 4]
+
+
 def test_hierarchical_intervals_count_the_spread_of_seeds(study):
     """Seeds drawn with replacement, then prompts: an arm whose seeds disagree gets a wider interval than the
     prompt-only bootstrap gives it, and one whose seeds agree gets the same."""
