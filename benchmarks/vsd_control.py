@@ -524,12 +524,13 @@ def make_eval_set(config: ControlConfig, language: MarkovLanguage, target, out: 
 
 def chain_acceptance(target, drafter, prompts: list[list[int]], continuations: list[list[int]], depth: int,
                      batch_size: int = 16) -> list[dict]:
-    """Per prompt: {"sum": sum of E_t over its anchors, "roots": their number, "step_rates": the mean a_i of each
-    step i over the anchors where token t+2+i lies in the continuation} from mmvsd's evaluator
+    """Per prompt: {"sum": sum of E_t over its anchors (a sampled chain's expected accepted length, unbiased),
+    "forced": the teacher-forced product's sum beside it, "roots": their number, "step_rates": the mean a_i of
+    each step i over the anchors where token t+2+i lies in the continuation} from mmvsd's evaluator
     (`mmvsd.training.acceptance.expected_acceptance`)."""
     from mmvsd.training.acceptance import expected_acceptance
 
-    return [{"sum": c.total, "roots": c.anchors, "step_rates": c.step_rates}
+    return [{"sum": c.total, "forced": c.forced_total, "roots": c.anchors, "step_rates": c.step_rates}
             for c in expected_acceptance(target, drafter, prompts, continuations, depth, batch_size)]
 
 

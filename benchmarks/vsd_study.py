@@ -11,10 +11,10 @@ small learning rate (5e-6 vs 3e-4 from scratch). This study does the same on CPU
 2. same wall clock (not with `--session-minutes`): the budget is the median wall time of the `--budget-arm`
    runs of phase 1 (or `--wall-seconds`); every other arm trains again for as many steps as its measured
    seconds per step allow (the budget arm's phase-1 runs are its same-wall-clock runs);
-3. metrics on held-out prompts: with `--accept-depth D`, the exact expected accepted length of a depth-D
-   chain sampled from the drafter along the target's T = 1 continuations (`expected_acceptance`: no
-   sampling noise in the measurement); tau at T = 0 with the acceptance evaluator (the target's greedy
-   continuation replayed, exact) and at T > 0 with `speculative_generate`;
+3. metrics on held-out prompts: with `--accept-depth D`, the expected accepted length of a depth-D chain
+   sampled from the drafter, estimated without bias from the target's T = 1 continuations (`expected_acceptance`;
+   deterministic given them), with the teacher-forced product beside it; tau at T = 0 with the acceptance
+   evaluator (the target's greedy continuation replayed, exact) and at T > 0 with `speculative_generate`;
 4. per arm: the metric pooled over prompts (new tokens / target forwards; summed expected acceptance /
    anchors), averaged over seeds; a 95% interval from a hierarchical bootstrap (seeds with replacement per
    arm, then prompts, shared by every arm); per arm vs `--baseline-arm` (ce): the paired difference and
@@ -49,6 +49,9 @@ import numpy as np
 DEFAULT_ARMS = ("ce=ce", "recipe=ce+vsd")
 RUN_FILE = "study_run.json"
 EVAL_CACHE_FILE = "eval_cache.json"
+# the chain metrics (--accept-depth) and the name each has in the cache's keys: "accept" is the teacher-forced
+# product's, which was the primary metric under that name before the unbiased estimate replaced it
+CHAIN_METRICS = {"chain": "chain", "forced": "accept"}
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -263,7 +266,7 @@ class PromptSet:
     name: str
     prompts: list  # `Prompt` per prompt (token ids, and the media embeddings of image prompts)
     continuations: list[list[int]] | None = None  # the target's greedy continuations (T = 0)
-    sampled: list[list[int]] | None = None  # the target's continuations sampled at T = 1 (the accept metric)
+    sampled: list[list[int]] | None = None  # the target's continuations sampled at T = 1 (the chain metrics)
 
 
 def load_prompt_sets(target, specs: list[str], limit: int, max_new_tokens: int, sample_seed: int | None = None
@@ -286,16 +289,18 @@ def load_prompt_sets(target, specs: list[str], limit: int, max_new_tokens: int, 
 
 
 def measure_counts(target, drafter, prompt_set: PromptSet, shape, temperature: float, seed: int = 0,
-                   batch_size: int = 8, sampled_limit: int = 0, accept_depth: int = 0) -> tuple[list, list]:
+                   batch_size: int = 8, sampled_limit: int = 0, accept_depth: int = 0,
+                   forced: bool = False) -> tuple[list, list]:
     """Per-prompt (new tokens, target forwards): the evaluator's exact replay at T = 0, generate at T > 0, prompt i
     with seed `seed + i` (on the first `sampled_limit` prompts of the set when it is set: sampling runs the whole
     decode loop).
-    With `accept_depth`: (summed expected accepted length, anchors) along the sampled continuations instead."""
+    With `accept_depth`: (summed expected accepted length, anchors) along the sampled continuations instead
+    (`forced`: the teacher-forced product's sum)."""
     if accept_depth:
         from mmvsd.training.acceptance import expected_acceptance
 
         chains = expected_acceptance(target, drafter, prompt_set.prompts, prompt_set.sampled, accept_depth, batch_size)
-        return [c.total for c in chains], [c.anchors for c in chains]
+        return [c.forced_total if forced else c.total for c in chains], [c.anchors for c in chains]
     if temperature == 0:
         from mmvsd.training.acceptance import evaluate_acceptance
 
@@ -320,9 +325,9 @@ def measured_prompts(prompt_set: PromptSet, temperature: float, sampled_limit: i
 
 def evaluation_key(args: argparse.Namespace, digest: str, metric: str, prompt_set: PromptSet) -> str:
     """Everything a measurement depends on: weights (`weights_sha256`), target, prompts, tree, metric, seed."""
-    if metric == "accept":
+    if metric in CHAIN_METRICS:
         return json.dumps([digest, args.target, prompt_set.name, len(prompt_set.prompts), args.max_new_tokens,
-                           "accept", args.accept_depth, args.eval_seed])
+                           CHAIN_METRICS[metric], args.accept_depth, args.eval_seed])
     temperature = float(metric)
     prompts = len(measured_prompts(prompt_set, temperature, args.sampled_limit))
     return json.dumps([digest, args.target, prompt_set.name, prompts, args.max_new_tokens, args.tree,
@@ -358,10 +363,11 @@ def evaluate_all(args: argparse.Namespace, target, runs: list[dict], prompt_sets
                 if key not in cache:
                     cache.update(read_cache(cache_path))  # what an --evaluate-finished process beside it measured
                 if key not in cache:
-                    accept = args.accept_depth if metric == "accept" else 0
-                    temperature = 0.0 if metric == "accept" else float(metric)
+                    accept = args.accept_depth if metric in CHAIN_METRICS else 0
+                    temperature = 0.0 if metric in CHAIN_METRICS else float(metric)
                     cache[key] = measure_counts(target, drafter, ps, shape, temperature, seed=args.eval_seed,
-                                                sampled_limit=args.sampled_limit, accept_depth=accept)
+                                                sampled_limit=args.sampled_limit, accept_depth=accept,
+                                                forced=metric == "forced")
                     cache = {**read_cache(cache_path), **cache}  # keep what the other one wrote meanwhile
                     with atomic_file(cache_path) as handle:
                         json.dump(cache, handle)
@@ -390,9 +396,9 @@ def arm_counts(counts: dict, folders: list[str], metric: str, set_names: list[st
 
 
 def metric_names(args: argparse.Namespace) -> list[str]:
-    """What each run is measured by: "accept" (the exact expected accepted length along sampled continuations,
-    with --accept-depth) and tau at each of --temperatures ("0", "1", ...)."""
-    return (["accept"] if args.accept_depth else []) + [f"{t:g}" for t in args.temperatures]
+    """What each run is measured by: with --accept-depth "chain" (a sampled chain's expected accepted length,
+    unbiased) and "forced" (the teacher-forced product), then tau at each of --temperatures ("0", "1", ...)."""
+    return (list(CHAIN_METRICS) if args.accept_depth else []) + [f"{t:g}" for t in args.temperatures]
 
 
 def summarise(args: argparse.Namespace, runs: list[dict], counts: dict, set_names: list[str]) -> list[dict]:
@@ -426,7 +432,7 @@ def summarise(args: argparse.Namespace, runs: list[dict], counts: dict, set_name
     return rows
 
 
-METRIC_TITLES = {"accept": "E[accepted] T=1"}
+METRIC_TITLES = {"chain": "E[accepted] T=1", "forced": "E[accepted] T=1, teacher-forced"}
 
 
 def metric_title(metric: str) -> str:
@@ -510,7 +516,7 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def decide(rows: list[dict], primary: str = "accept", guard: str = "0", budget: str = "steps") -> dict | None:
+def decide(rows: list[dict], primary: str = "chain", guard: str = "0", budget: str = "steps") -> dict | None:
     """The pre-registered rule (docs/reproduction.md) on the pooled prompts at `budget`: an arm beats the baseline
     when its `primary` difference's interval lies above 0 and its `guard` (T = 0 tau) difference's does not lie
     below 0; the winner is the beating arm with the largest `primary` difference (None: no arm beats it). None
@@ -588,8 +594,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--temperatures", default="0", help="tau at these temperatures (comma list; T > 0 runs "
                    "speculative_generate)")
     p.add_argument("--accept-depth", type=int, default=0,
-                   help="also measure the exact expected accepted length of a chain this deep along T = 1 "
-                   "continuations (the primary metric of the powered study; 0: off)")
+                   help="also measure the expected accepted length of a chain this deep, sampled from the drafter, "
+                   "from the target's T = 1 continuations (the primary metric of the powered study; 0: off)")
     p.add_argument("--session-minutes", type=float, default=0.0,
                    help="training time of this invocation (0: no limit); unfinished runs resume next time (exit 3)")
     p.add_argument("--min-move", type=float, default=0.0,

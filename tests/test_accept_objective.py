@@ -129,10 +129,11 @@ def test_two_contexts_accept_beats_cross_entropy_by_construction():
     assert accept.exp()[0] > 0.8 and length_accept > 1.2 * length_ce
 
 
-def test_expected_acceptance_is_the_chain_sum_of_products_along_the_continuation(tiny_target):
-    """expected_acceptance: per anchor t, sum_k prod_{i<k} a_i(t) over a depth-3 chain, a_i the exact acceptance of
-    unrolled step i (0 past the continuation), summed over the anchors whose token t+2 is in the continuation after
-    its first token."""
+def test_expected_acceptance_reweights_the_continuation_and_keeps_the_product_beside_it(tiny_target):
+    """expected_acceptance, per anchor t of a depth-3 chain (0 past the continuation), summed over the anchors whose
+    token t+2 is in the continuation after its first token: total = sum_k r_1 ... r_{k-1} a_k, forced_total =
+    sum_k a_1 ... a_k, with a_i the exact acceptance of unrolled step i and r_i = min(p, q_i)(y) / p(y) at the
+    continuation's token y (0 outside the draft vocabulary, which holds target ids 28..127 here)."""
     from mmvsd.decoding.decode import Prompt
     from mmvsd.training.acceptance import expected_acceptance
     from mmvsd.training.features import TokenBatch, capture_features
@@ -141,28 +142,67 @@ def test_expected_acceptance_is_the_chain_sum_of_products_along_the_continuation
     gen = torch.Generator().manual_seed(5)
     prompts = [Prompt(torch.randint(0, 128, (n,), generator=gen).tolist()) for n in (4, 6)]
     continuations = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (7, 3)]
+    continuations[0][3] = 5  # a token outside the draft vocabulary: r = 0 there
     got = expected_acceptance(tiny_target, drafter, prompts, continuations, depth=3, batch_size=1)
     for chain, prompt, cont in zip(got, prompts, continuations, strict=True):
-        total, count = chain.total, chain.anchors
         ids = torch.tensor([prompt.token_ids + cont])
         start, end = len(prompt.token_ids), ids.shape[1]
         mask = (torch.arange(end) >= start)[None]
         batch = capture_features(tiny_target, TokenBatch(ids, mask, torch.tensor([end])))
         hiddens, full_logits = unrolled(tiny_target, batch, drafter, 3)
         p = torch.softmax(full_logits.float(), -1)[0]
-        expected, anchors = 0.0, 0
+        unbiased, forced, anchors = 0.0, 0.0, 0
         for t in range(end):
             if t + 2 >= end or t + 2 <= start:  # token `start` is the target's choice at prefill
                 continue
             anchors += 1
-            survive = 1.0
+            reweight, product = 1.0, 1.0
             for step in range(3):
                 label = t + 2 + step
-                rate = 0.0
+                rate = ratio = 0.0
                 if label < end:
-                    q = torch.softmax(drafter.draft_logits(hiddens[step][0, t]).float(), -1)
-                    rate = float(torch.minimum(p[label - 1, 28:], q.detach()).sum())
-                survive *= rate
-                expected += survive
-        assert count == anchors == len(cont) - 1
-        assert total == pytest.approx(expected, abs=1e-4)
+                    q = torch.softmax(drafter.draft_logits(hiddens[step][0, t]).float(), -1).detach()
+                    rate = float(torch.minimum(p[label - 1, 28:], q).sum())
+                    y = int(ids[0, label])
+                    if y >= 28:
+                        ratio = min(float(p[label - 1, y]), float(q[y - 28])) / float(p[label - 1, y])
+                unbiased += reweight * rate
+                reweight *= ratio
+                product *= rate
+                forced += product
+        assert chain.anchors == anchors == len(cont) - 1
+        assert chain.total == pytest.approx(unbiased, abs=1e-4)
+        assert chain.forced_total == pytest.approx(forced, abs=1e-4)
+
+
+def test_expected_acceptance_is_unbiased_for_the_sampled_chain_and_the_product_is_not(tiny_target):
+    """At one anchor, depth 2: P(1st passes) + P(both pass) = a_1 + sum_x min(p_1, q_1)(x) a_2(x) exactly (the
+    second draft's context is the accepted first one; p_1, q_1 computed here). The estimate from continuations
+    y ~ p, averaged over every y with weight p_1(y), equals it; the product a_1 + a_1 a_2(y) averaged likewise
+    does not (its second context follows p_1, not min(p_1, q_1) / a_1)."""
+    from mmvsd.decoding.decode import Prompt
+    from mmvsd.training.acceptance import chain_steps
+    from mmvsd.training.features import TokenBatch, capture_features
+
+    _, drafter = setup(tiny_target)
+    with torch.no_grad():
+        drafter.lm_head.weight.mul_(8.0)  # sharper drafts: the two laws of the second context differ more
+    prompt, last = [3, 50, 77, 91], 60  # every continuation: the prefill's token 60, y, then one more token
+    conts = [[last, y, 40] for y in range(128)]
+    steps = chain_steps(tiny_target, drafter, [Prompt(prompt)] * 128, conts, depth=2)
+    anchor = len(prompt) - 1  # its chain drafts y (step 1), then the token after y (step 2)
+    rate1, ratio, rate2 = steps.rates[:, anchor, 0], steps.ratios[:, anchor, 0], steps.rates[:, anchor, 1]
+    torch.testing.assert_close(rate1, rate1[:1].expand(128))  # step 1 does not see y
+    ids = torch.tensor([prompt + conts[0]])
+    batch = capture_features(tiny_target, TokenBatch(ids, torch.ones_like(ids, dtype=torch.bool), torch.tensor([7])))
+    hiddens, full_logits = unrolled(tiny_target, batch, drafter, 1)
+    with torch.no_grad():
+        p1 = torch.softmax(full_logits[0, anchor + 1].float(), -1)  # the target's law of the token after `last`
+        q1 = torch.zeros(128)
+        q1[28:] = torch.softmax(drafter.draft_logits(hiddens[0][0, anchor]).float(), -1)
+    exact = float(rate1[0] + (torch.minimum(p1, q1) * rate2).sum())
+    estimate = float((p1 * (rate1 + ratio * rate2)).sum())
+    forced = float((p1 * (rate1 + rate1 * rate2)).sum())
+    assert float(rate1[0]) == pytest.approx(float(torch.minimum(p1, q1).sum()), abs=1e-5)
+    assert estimate == pytest.approx(exact, rel=1e-4)
+    assert abs(forced - exact) > 0.01 * exact, (forced, exact)

@@ -17,7 +17,7 @@ from mmvsd.decoding.decode import as_prompts
 from mmvsd.decoding.draft_session import DraftInputs
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.target import Target
-from mmvsd.training.acceptance import chain_step_rates
+from mmvsd.training.acceptance import chain_steps
 from mmvsd.training.features import TokenBatch, capture_features
 
 
@@ -138,26 +138,29 @@ def test_acceptance_equals_a_decoding_session_forced_along_the_continuation(cont
     drafter = Eagle3Drafter.from_target(tiny, draft_vocab_size=None, seed=2).eval()
     prompt, cont = [5, 9, 17, 3], [40, 41, 7, 99, 12, 64, 8, 8]
     depth, seq = 3, torch.tensor([[5, 9, 17, 3, 40, 41, 7, 99, 12, 64, 8, 8]])
-    rates, masks, _ = chain_step_rates(tiny, drafter, as_prompts([prompt]), [cont], depth)
+    steps = chain_steps(tiny, drafter, as_prompts([prompt]), [cont], depth)
     features = drafter.target_features(*_aux_and_last(tiny, seq))
-    expected_total = 0.0
+    unbiased, forced = 0.0, 0.0
     with torch.no_grad():
         for anchor in range(len(prompt) - 1, seq.shape[1] - 2):  # token anchor + 2 in the continuation, not its first
-            expected_total += _session_chain(tiny, drafter, seq, features, anchor, depth, rates, masks)
-    assert masks.sum(1)[0].tolist() == [7, 6, 5]  # anchors 3..9, each step one fewer inside the continuation
+            chain = _session_chain(tiny, drafter, seq, features, anchor, depth, steps)
+            unbiased, forced = unbiased + chain[0], forced + chain[1]
+    assert steps.masks.sum(1)[0].tolist() == [7, 6, 5]  # anchors 3..9, each step one fewer inside the continuation
     [row] = control.chain_acceptance(tiny, drafter, [prompt], [cont], depth)
-    assert row["roots"] == 7 and row["sum"] == pytest.approx(expected_total, abs=1e-4)
+    assert row["roots"] == 7 and row["sum"] == pytest.approx(unbiased, abs=1e-4)
+    assert row["forced"] == pytest.approx(forced, abs=1e-4)
 
 
-def _session_chain(tiny, drafter, seq, features, anchor, depth, rates, masks) -> float:
-    """E at `anchor` from a decoding session forced along `seq`, checking each step's rate against `rates`."""
+def _session_chain(tiny, drafter, seq, features, anchor, depth, steps) -> tuple[float, float]:
+    """(sum_k r_1 .. r_{k-1} a_k, sum_k a_1 .. a_k) at `anchor` from a decoding session forced along `seq`, checking
+    each step's rate and ratio against `steps`."""
     session = drafter.new_session(1)
     session.advance(DraftInputs(features[:, : anchor + 1], seq[:, 1 : anchor + 2], torch.tensor([anchor + 1])))
     ids, values = session.root_candidates(tiny.vocab_size)
-    survive, total = 1.0, 0.0
+    reweight, unbiased, survive, total = 1.0, 0.0, 1.0, 0.0
     for step in range(depth):
         if anchor + 2 + step >= seq.shape[1]:  # past the continuation: nothing to accept
-            assert not masks[0, anchor, step]
+            assert not steps.masks[0, anchor, step]
             break
         if step > 0:
             block = torch.ones(1, 1, step, dtype=torch.bool)
@@ -165,13 +168,18 @@ def _session_chain(tiny, drafter, seq, features, anchor, depth, rates, masks) ->
             ids, values = session.expand(fed, torch.zeros(1, 1, dtype=torch.long), block, tiny.vocab_size)
             ids, values = ids[:, 0], values[:, 0]
         draft_probs = torch.zeros(tiny.vocab_size).scatter(0, ids[0], values[0].exp())
-        target_logits = tiny.model(seq[:, : anchor + 2 + step]).logits[0, -1]
-        rate = float(torch.minimum(torch.softmax(target_logits, -1), draft_probs).sum())
-        assert masks[0, anchor, step] and float(rates[0, anchor, step]) == pytest.approx(rate, abs=2e-5)
+        target_probs = torch.softmax(tiny.model(seq[:, : anchor + 2 + step]).logits[0, -1], -1)
+        rate = float(torch.minimum(target_probs, draft_probs).sum())
+        y = int(seq[0, anchor + 2 + step])
+        ratio = min(float(target_probs[y]), float(draft_probs[y])) / float(target_probs[y])
+        assert steps.masks[0, anchor, step] and float(steps.rates[0, anchor, step]) == pytest.approx(rate, abs=2e-5)
+        assert float(steps.ratios[0, anchor, step]) == pytest.approx(ratio, abs=2e-5)
+        unbiased += reweight * rate
+        reweight *= ratio
         survive *= rate
         total += survive
     session.end_round()
-    return total
+    return unbiased, total
 
 
 def _aux_and_last(target, seq):

@@ -86,7 +86,7 @@ def test_the_compact_table_has_each_arm_per_metric_then_its_difference(study):
             out["vs_baseline"] = {"diff": diff, "diff_ci95": [diff - 0.05, diff + 0.05]}
         return out
 
-    rows = [row("accept", "init", 1.0, budget="-"), row("accept", "ce", 1.2), row("accept", "recipe", 1.3, diff=0.1),
+    rows = [row("chain", "init", 1.0, budget="-"), row("chain", "ce", 1.2), row("chain", "recipe", 1.3, diff=0.1),
             row("0", "init", 2.0, budget="-"), row("0", "ce", 2.2), row("0", "recipe", 2.1, diff=-0.1),
             row("0", "recipe", 9.0, prompts="gsm8k", diff=5.0), row("0", "recipe", 9.0, budget="wall", diff=5.0)]
     table = study.compact_table(rows, "ce")
@@ -102,12 +102,12 @@ def _compared(metric, arm, diff, low, high, prompts="all", budget="steps"):
 
 
 def test_the_decision_rule_is_the_pre_registered_one(study):
-    rows = [{"metric": m, "prompts": "all", "budget": "steps", "arm": "ce"} for m in ("accept", "0")]
-    rows += [_compared("accept", "recipe", 0.05, 0.01, 0.09), _compared("0", "recipe", -0.02, -0.10, 0.06),
-             _compared("accept", "accept", 0.20, 0.12, 0.28), _compared("0", "accept", -0.15, -0.25, -0.05),
-             _compared("accept", "tv", 0.03, -0.01, 0.07), _compared("0", "tv", 0.30, 0.20, 0.40),
-             _compared("accept", "recipe", 9.0, 8.0, 10.0, prompts="mt_bench"),  # one set's rows do not count
-             _compared("accept", "tv", 9.0, 8.0, 10.0, budget="wall")]
+    rows = [{"metric": m, "prompts": "all", "budget": "steps", "arm": "ce"} for m in ("chain", "0")]
+    rows += [_compared("chain", "recipe", 0.05, 0.01, 0.09), _compared("0", "recipe", -0.02, -0.10, 0.06),
+             _compared("chain", "accept", 0.20, 0.12, 0.28), _compared("0", "accept", -0.15, -0.25, -0.05),
+             _compared("chain", "tv", 0.03, -0.01, 0.07), _compared("0", "tv", 0.30, 0.20, 0.40),
+             _compared("chain", "recipe", 9.0, 8.0, 10.0, prompts="mt_bench"),  # one set's rows do not count
+             _compared("chain", "tv", 9.0, 8.0, 10.0, budget="wall")]
     decision = study.decide(rows)
     verdicts = {arm: v["beats"] for arm, v in decision["arms"].items()}
     # accept's larger gain is vetoed by its T = 0 interval below 0; tv's primary interval touches 0
@@ -117,7 +117,7 @@ def test_the_decision_rule_is_the_pre_registered_one(study):
     text = study.decision_text(study.decide(rows), "ce")
     assert "- recipe: does not beat ce (+0.050 [+0.010, +0.090]; -0.050 [-0.100, -0.010])" in text
     assert "- winner: none (ce stays)" in text
-    assert study.decide([r for r in rows if r["metric"] == "accept"]) is None  # no T = 0 rows: no decision
+    assert study.decide([r for r in rows if r["metric"] == "chain"]) is None  # no T = 0 rows: no decision
     assert study.decision_text(None, "ce") == ""
 
 
@@ -206,7 +206,8 @@ def test_measurements_are_cached_by_weights_and_settings(study, tmp_path, monkey
 
     drafters = {"a": Tiny(1.0), "b": Tiny(1.0), "c": Tiny(2.0)}
 
-    def fake_measure(target, drafter, ps, shape, temperature, seed=0, batch_size=8, sampled_limit=0, accept_depth=0):
+    def fake_measure(target, drafter, ps, shape, temperature, seed=0, batch_size=8, sampled_limit=0, accept_depth=0,
+                     forced=False):
         calls.append((drafter.w[0].item(), temperature))
         n = len(ps.prompts) if temperature == 0 else len(ps.prompts[: sampled_limit or None])
         return [3] * n, [2] * n
@@ -245,7 +246,8 @@ def test_evaluate_finished_measures_the_trained_runs_for_the_study_and_shares_th
     calls = []
     cache_path = tmp_path / study.EVAL_CACHE_FILE
 
-    def fake_measure(target, drafter, ps, shape, temperature, seed=0, batch_size=8, sampled_limit=0, accept_depth=0):
+    def fake_measure(target, drafter, ps, shape, temperature, seed=0, batch_size=8, sampled_limit=0, accept_depth=0,
+                     forced=False):
         calls.append(drafter.w[0].item())
         if drafter.w[0].item() == 2.0:  # the other process writes a measurement while this one is measured
             written = json.loads(cache_path.read_text())
@@ -359,7 +361,9 @@ def test_a_run_trained_in_chunks_resumes_to_the_uninterrupted_weights(study, tmp
         study.train_run(strict, target, arm, 0, 2, tmp_path / "strict" / "runs" / "ce-steps-s0")
 
 
-def test_the_accept_metric_counts_are_the_evaluators_chain_sums(study, tiny_target, random_drafter):
+def test_the_chain_metrics_counts_are_the_evaluators_sums(study, tiny_target, random_drafter):
+    """"chain" is the unbiased estimate, "forced" the teacher-forced product; their cache keys differ (the
+    product keeps the key it had as "accept"), as do those of the T = 1 tau."""
     from mmvsd.decoding.decode import as_prompts
     from mmvsd.training.acceptance import expected_acceptance
 
@@ -368,8 +372,15 @@ def test_the_accept_metric_counts_are_the_evaluators_chain_sums(study, tiny_targ
     sampled = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (9, 6, 8)]
     totals, anchors = study.measure_counts(tiny_target, random_drafter, study.PromptSet("p", prompts, sampled=sampled),
                                            None, 1.0, accept_depth=3, batch_size=2)
+    forced, _ = study.measure_counts(tiny_target, random_drafter, study.PromptSet("p", prompts, sampled=sampled),
+                                     None, 1.0, accept_depth=3, batch_size=2, forced=True)
     chains = expected_acceptance(tiny_target, random_drafter, prompts, sampled, depth=3)
     assert totals == pytest.approx([c.total for c in chains]) and anchors == [c.anchors for c in chains]
+    assert forced == pytest.approx([c.forced_total for c in chains]) and forced != pytest.approx(totals)
+    args = study.parse_args(["--init", "x", "--accept-depth", "3", "--temperatures", "0,1"])
+    assert study.metric_names(args) == ["chain", "forced", "0", "1"]
+    keys = [json.loads(study.evaluation_key(args, "d", m, study.PromptSet("p", prompts))) for m in ("chain", "forced")]
+    assert keys[0][5] == "chain" and keys[1][5] == "accept" and keys[0][:5] == keys[1][:5]
     assert anchors == [8, 5, 7]  # every continuation token after the first is an anchor's next-but-one token
 
 

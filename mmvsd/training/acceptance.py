@@ -40,7 +40,8 @@ from mmvsd.prompts import load_eval_prompts
 from mmvsd.shipped import target_checksum
 from mmvsd.target import Target
 from mmvsd.training.features import TokenBatch, capture_features
-from mmvsd.training.objectives import step_acceptance
+from mmvsd.training.objectives import acceptance, step_distributions
+from mmvsd.training.unroll import shifted
 
 TIE_EPSILON = 1e-4  # a target choice whose top-2 logits are closer than this may flip between kernels
 
@@ -197,25 +198,44 @@ def prompt_continuation_batch(target: Target, prompts: list, continuations: list
     return TokenBatch(seq_ids, loss_mask.to(target.device), lengths.to(target.device), embeds, spans)
 
 
+@dataclass
+class ChainSteps:
+    """Per anchor t and chain step i, teacher-forced along one continuation y ([B, T, depth] each)."""
+
+    rates: Tensor  # a_i(t) = sum_v min(p, q_i): the probability that token i of a chain sampled at t passes
+    ratios: Tensor  # r_i(t) = min(p, q_i)(y) / p(y) at the continuation's token y = y_{t+2+i} (0 outside the vocab)
+    masks: Tensor  # bool: t is an anchor and token t+2+i lies in the continuation
+    anchors: Tensor  # [B, T] bool
+
+
 @torch.no_grad()
-def chain_step_rates(target: Target, drafter: Drafter, prompts: list, continuations: list[list[int]],
-                     depth: int) -> tuple[Tensor, Tensor, Tensor]:
-    """([B, T, depth] a_i(t), [B, T, depth] bool: t is an anchor and token t+2+i lies in the continuation,
-    [B, T] bool: the anchors) from one target forward over prompt + continuation: a_i(t) = sum_v min(p, q_i)
-    is the exact probability that token i of a chain the drafter samples at t passes speculative sampling,
-    teacher-forced along the continuation as training unrolls (`objectives.step_acceptance`). An anchor is a
-    position whose next-but-one token is a continuation token after the first."""
+def chain_steps(target: Target, drafter: Drafter, prompts: list, continuations: list[list[int]],
+                depth: int) -> ChainSteps:
+    """`ChainSteps` from one target forward over prompt + continuation, the drafter unrolled as training unrolls it
+    (`objectives.step_distributions`: its context is the continuation, not its own draws). An anchor is a position
+    whose next-but-one token is a continuation token after the first."""
     batch = capture_features(target, prompt_continuation_batch(target, prompts, continuations))
-    steps = step_acceptance(drafter, target, batch, depth)
-    masks = torch.stack([mask for _, mask in steps], -1)
-    return torch.stack([rates for rates, _ in steps], -1), masks & masks[..., :1], masks[..., 0]
+    draft_ids = target_to_draft_ids(drafter, target.vocab_size).to(batch.tokens.input_ids.device)
+    rates, ratios, masks = [], [], []
+    for step, (mask, p, log_q) in enumerate(step_distributions(drafter, target, batch, depth)):
+        ids = draft_ids[shifted(batch.tokens.input_ids, step + 2)[mask]]  # [N] the label's draft id, -1: none
+        known = (ids >= 0)[:, None]
+        p_y = p.gather(-1, ids.clamp(min=0)[:, None]).where(known, 0.0)[:, 0]
+        q_y = log_q.gather(-1, ids.clamp(min=0)[:, None]).exp().where(known, 0.0)[:, 0]
+        rate, ratio = (torch.zeros(mask.shape, dtype=p.dtype, device=p.device) for _ in range(2))
+        rate[mask] = acceptance(p, log_q).to(rate.dtype)
+        ratio[mask] = torch.where(p_y > 0, torch.minimum(p_y, q_y) / p_y.clamp(min=torch.finfo(p_y.dtype).tiny), 0.0)
+        rates.append(rate), ratios.append(ratio), masks.append(mask)
+    masks = torch.stack(masks, -1)
+    return ChainSteps(torch.stack(rates, -1), torch.stack(ratios, -1), masks & masks[..., :1], masks[..., 0])
 
 
 @dataclass(frozen=True)
 class ChainAcceptance:
     """One prompt's expected acceptance along its continuation (`expected_acceptance`)."""
 
-    total: float  # sum over the anchors of E(t)
+    total: float  # sum over the anchors of E(t), the sampled chain's expected accepted length (unbiased)
+    forced_total: float  # sum over the anchors of prod-of-rates F(t), the teacher-forced approximation
     anchors: int
     step_rates: list[float]  # mean a_i of each step i over the anchors whose token t+2+i lies in the continuation
 
@@ -224,27 +244,38 @@ def expected_acceptance(
     target: Target, drafter: Drafter, prompts: list[PromptLike], continuations: list[list[int]], depth: int,
     batch_size: int = 8,
 ) -> list[ChainAcceptance]:
-    """Per prompt: E(t) = sum_{k=1..depth} prod_{i<k} a_i(t), summed over its anchors, is the expected number of
-    accepted tokens of a depth-`depth` chain sampled from the drafter at anchor t of the continuation, with a_i(t)
-    from `chain_step_rates` (0 past the continuation's end). No sampling: the same drafter, prompts and
-    continuations give the same number."""
+    """Per prompt, summed over its anchors t: the expected number of accepted tokens of a depth-`depth` chain that
+    the drafter samples at t and speculative sampling (T = 1) verifies, estimated without bias from continuations
+    the target sampled at T = 1, and the teacher-forced product of rates beside it.
+
+    With a_i, r_i from `chain_steps` (0 past the continuation's end), P(the first k tokens pass) = sum over
+    x_1..x_k of prod_i min(p, q_i)(x_i), and along y ~ p its unbiased estimate is r_1 ... r_{k-1} a_k (each
+    r_i = min(p, q_i)(y_i) / p(y_i) reweights the target's token to an accepted draft's; a_k sums the last
+    step out exactly). E(t) = sum_k r_1 ... r_{k-1} a_k. The product F(t) = sum_k a_1 ... a_k instead takes
+    each later step's context from p, not from the accepted drafts' distribution min(p, q)/a: equal at depth 1,
+    biased deeper, and in either direction, depending on the drafter (docs/training.md). Deterministic: the
+    same drafter, prompts and continuations give the same numbers."""
     prompts = as_prompts(prompts)
     if len(prompts) != len(continuations):
         raise UserError(f"need one continuation per prompt, got {len(continuations)} for {len(prompts)} prompts")
     results: list[ChainAcceptance] = []
     for first in range(0, len(prompts), batch_size):
         rows = slice(first, first + batch_size)
-        rates, masks, anchors = chain_step_rates(target, drafter, prompts[rows], continuations[rows], depth)
-        rates = torch.where(masks, rates, torch.zeros_like(rates))
-        survive = torch.ones_like(rates[..., 0])
-        expected = torch.zeros_like(survive)
+        steps = chain_steps(target, drafter, prompts[rows], continuations[rows], depth)
+        rates = torch.where(steps.masks, steps.rates, torch.zeros_like(steps.rates))
+        reweight = torch.ones_like(rates[..., 0])  # r_1 ... r_{k-1}
+        forced = torch.ones_like(reweight)  # a_1 ... a_k
+        expected, forced_sum = torch.zeros_like(reweight), torch.zeros_like(reweight)
         for step in range(depth):
-            survive = survive * rates[..., step]
-            expected = expected + survive
-        step_rates = rates.sum(1) / masks.sum(1).clamp(min=1)  # [B, depth]
+            expected = expected + reweight * rates[..., step]
+            reweight = reweight * steps.ratios[..., step]
+            forced = forced * rates[..., step]
+            forced_sum = forced_sum + forced
+        step_rates = rates.sum(1) / steps.masks.sum(1).clamp(min=1)  # [B, depth]
         for row in range(rates.shape[0]):
-            results.append(ChainAcceptance(float(expected[row][anchors[row]].sum()), int(anchors[row].sum()),
-                                           step_rates[row].tolist()))
+            anchors = steps.anchors[row]
+            results.append(ChainAcceptance(float(expected[row][anchors].sum()), float(forced_sum[row][anchors].sum()),
+                                           int(anchors.sum()), step_rates[row].tolist()))
     return results
 
 

@@ -350,18 +350,26 @@ def acceptance(target_probs: Tensor, draft_logprobs: Tensor) -> Tensor:
     return torch.minimum(target_probs, draft_logprobs.exp()).sum(-1)
 
 
+def step_distributions(drafter: Drafter, target: Target, batch: FeatureBatch, num_steps: int,
+                       unroll: Unroll | None = None):
+    """Per unrolled step i (the unroll of `ce`): (whether token t+2+i is a loss token [B, T], the target's
+    full-vocabulary probabilities of the draft vocabulary at position t+1+i [N, Vd] (not renormalised), the
+    drafter's log-probabilities at anchor t [N, Vd]), rows in the mask's order."""
+    unroll = unroll or Unroll(drafter, batch)
+    target_probs = unroll.target_labels(target, precise=True).full_probs()  # [B, T, Vd]
+    for step in range(num_steps):
+        mask = unroll.label_mask(step)
+        yield mask, label_rows(target_probs, step, mask), unroll.draft_logprobs(step, num_steps)
+
+
 def step_acceptance(drafter: Drafter, target: Target, batch: FeatureBatch, num_steps: int,
                     unroll: Unroll | None = None) -> list[tuple[Tensor, Tensor]]:
     """Per unrolled step i: (acceptance [B, T] of the drafter's distribution at anchor t for token t+2+i against
     the target's at position t+1+i, whether token t+2+i is a loss token [B, T]); the unroll of `ce`."""
-    unroll = unroll or Unroll(drafter, batch)
-    target_probs = unroll.target_labels(target, precise=True).full_probs()  # [B, T, Vd], not renormalised
     steps = []
-    for step in range(num_steps):
-        mask = unroll.label_mask(step)
+    for mask, target_probs, draft_logprobs in step_distributions(drafter, target, batch, num_steps, unroll):
         rates = torch.zeros(mask.shape, dtype=target_probs.dtype, device=target_probs.device)
-        rates[mask] = acceptance(label_rows(target_probs, step, mask), unroll.draft_logprobs(step, num_steps)).to(
-            rates.dtype)
+        rates[mask] = acceptance(target_probs, draft_logprobs).to(rates.dtype)
         steps.append((rates, mask))
     return steps
 
