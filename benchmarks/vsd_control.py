@@ -28,17 +28,20 @@ Metrics on held-out prompts (prefixes of the chain drawn with another seed), per
 (95% percentile intervals; differences paired on the same prompt resamples; with several replicates, i.e.
 training seeds (`--replicate OUT:SEED`), each arm's value is the mean over its seeds and the bootstrap draws
 seeds, then prompts):
-    accept_t1  exact expected accepted length of a depth-D chain at T = 1 along the target's own T = 1
-               continuation of the prompt (`mmvsd.training.acceptance.expected_acceptance`, the powered study's
-               primary metric). At each anchor t (the drafter has read the pairs up to t, the root is token t+1;
-               every t whose token t+2 is a continuation token after the first, which the prefill chooses) the
-               drafter is unrolled D steps along the continuation (training-time test: step i is fed the
-               continuation's token t+1+i, as a decoding session fed those tokens computes), a_i = sum_v
-               min(p_i(v), q_i(v)) with p_i the target's distribution of token t+2+i and q_i the drafter's (0 past
-               the continuation's end), and E_t = sum_{k=1..D} prod_{i<k} a_i. accept_t1 = the mean of E_t over
-               every anchor of every prompt. It is the accepted length of speculative sampling with a chain when
-               each step's context is the target's sample (exact for drafts that do not depend on their own
-               earlier tokens; no sampling noise). The table also gives the mean a_i per step.
+    accept_t1  expected accepted length of a depth-D chain sampled from the drafter and verified at T = 1,
+               estimated without bias from the target's own T = 1 continuation y of the prompt
+               (`mmvsd.training.acceptance.expected_acceptance`, the powered study's primary metric). At each
+               anchor t (the drafter has read the pairs up to t, the root is token t+1; every t whose token t+2
+               is a continuation token after the first, which the prefill chooses) the drafter is unrolled D
+               steps along the continuation (training-time test: step i is fed the continuation's token t+1+i,
+               as a decoding session fed those tokens computes), a_i = sum_v min(p_i(v), q_i(v)) with p_i the
+               target's distribution of token t+2+i and q_i the drafter's (0 past the continuation's end),
+               r_i = min(p_i, q_i)(y_i) / p_i(y_i) at the continuation's token, and E_t = sum_{k=1..D} r_1 ...
+               r_{k-1} a_k. accept_t1 = the mean of E_t over every anchor of every prompt. The table also gives
+               the mean a_i per step.
+    forced_t1  the teacher-forced product sum_k a_1 ... a_k instead (what the control reported as accept_t1
+               before 2026-11-27): each later step's context follows p, not the accepted drafts' law, so it is
+               biased beyond depth 1, towards what the `accept` objective maximises.
     tau_t0     tau (new tokens / target forwards, the prefill counted) of tree decoding at T = 0 with
                `mmvsd.decoding.decode.speculative_generate` and the tree `tree`; every output is checked
                token for token against `vanilla_generate` (greedy): the run fails if one differs.
@@ -565,7 +568,8 @@ def evaluate_drafter(config: ControlConfig, target, folder: Path, eval_set: Eval
 
     drafter = Eagle3Drafter.from_pretrained(folder, target).eval()
     digest = weights_sha256(drafter)[:12]
-    path = out / "eval" / f"{name}-{config.digest(*EVAL_KEYS)}-{digest}.json"
+    # "chain2": records made before accept_t1 became the unbiased estimate are never reused as it
+    path = out / "eval" / f"{name}-{config.digest(*EVAL_KEYS)}-{digest}-chain2.json"
     if path.is_file():
         return json.loads(path.read_text())
     start = time.perf_counter()
@@ -595,16 +599,17 @@ def _study_statistics():
     return sys.modules[name]
 
 
-METRICS = {"accept_t1": ("sum", "roots"), "tau_t0": ("new", "forwards"), "tau_t1": ("new", "forwards")}
+METRICS = {"accept_t1": ("accept_t1", "sum", "roots"), "forced_t1": ("accept_t1", "forced", "roots"),
+           "tau_t0": ("tau_t0", "new", "forwards"), "tau_t1": ("tau_t1", "new", "forwards")}  # record, num., den.
 BASELINES = ("ce-greedy", "ce-sample")
 
 
 def metric_counts(records: list[dict], metric: str) -> tuple[np.ndarray, np.ndarray]:
     """([R, P] numerators, [R, P] denominators) of a metric over an arm's R replicates: each replicate's value is
     their pooled ratio (sum / sum)."""
-    numerator, denominator = METRICS[metric]
-    return (np.array([[r[numerator] for r in record[metric]] for record in records], dtype=float),
-            np.array([[r[denominator] for r in record[metric]] for record in records], dtype=float))
+    key, numerator, denominator = METRICS[metric]
+    return (np.array([[r[numerator] for r in record[key]] for record in records], dtype=float),
+            np.array([[r[denominator] for r in record[key]] for record in records], dtype=float))
 
 
 def summarise(evaluations: dict[str, list[dict]], num_resamples: int, seed: int) -> dict[str, dict]:
@@ -650,14 +655,16 @@ def _difference(row: dict, baseline: str) -> str:
 def markdown_tables(summary: dict[str, dict], runs: dict[str, dict], config: ControlConfig) -> str:
     """The arms x metrics table, then each arm's paired differences from the two CE baselines (`runs`: each arm's
     first replicate's run, with the mean training time over its replicates)."""
-    lines = [f"| arm | objective | answers | train min | accept_t1 (D={config.depth}) | tau_t0 ({config.tree}) | "
-             f"tau_t1 ({config.tree}) | a_1..a_{config.depth} at T=1 |", "|---|---|---|---|---|---|---|---|"]
+    lines = [f"| arm | objective | answers | train min | accept_t1 (D={config.depth}) | forced_t1 | "
+             f"tau_t0 ({config.tree}) | tau_t1 ({config.tree}) | a_1..a_{config.depth} at T=1 |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for arm, rows in summary.items():
         run = runs.get(arm, {})
         minutes = f"{run['train_seconds'] / 60:.1f}" if run else "-"
         rates = " ".join(f"{r:.2f}" for r in rows["step_rates_t1"])
         lines.append(f"| {arm} | {run.get('objective', '-')} | {run.get('data', '-')} | {minutes} | "
-                     f"{_interval(rows['accept_t1'])} | {_interval(rows['tau_t0'])} | {_interval(rows['tau_t1'])} | "
+                     f"{_interval(rows['accept_t1'])} | {_interval(rows['forced_t1'])} | {_interval(rows['tau_t0'])} | "
+                     f"{_interval(rows['tau_t1'])} | "
                      f"{rates} |")
     lines += ["", "| arm | " + " | ".join(f"{metric} - {baseline}" for metric in METRICS for baseline in BASELINES)
               + " |", "|---|" + "---|" * (len(METRICS) * len(BASELINES))]
@@ -675,6 +682,7 @@ def plot(summary: dict[str, dict], config: ControlConfig, path: Path, replicates
     import matplotlib.pyplot as plt
 
     titles = {"accept_t1": f"expected accepted length, T=1 chain D={config.depth}",
+              "forced_t1": f"teacher-forced product, T=1 chain D={config.depth}",
               "tau_t0": f"tau, T=0 tree {config.tree}", "tau_t1": f"tau, T=1 tree {config.tree}"}
     arms = list(summary)
     fig, axes = plt.subplots(1, len(METRICS), figsize=(5 * len(METRICS), 3.8))
@@ -748,7 +756,8 @@ def run_control(config: ControlConfig, out: Path, arm_names: list[str] | None = 
         "target": done[0]["target"],
         "language": {"kind_counts": torch.bincount(language.kinds.flatten(), minlength=4).tolist(),
                      "mean_context_entropy": language.entropy()},
-        "metrics": {"accept_t1": chain_acceptance.__doc__, "tau_t0": "tree decoding at T = 0, lossless-checked",
+        "metrics": {"accept_t1": chain_acceptance.__doc__, "forced_t1": "the teacher-forced product (biased)",
+                    "tau_t0": "tree decoding at T = 0, lossless-checked",
                     "tau_t1": "tree decoding at T = 1, one seed per prompt"},
         "replicates": [{"out": r["out"], "arm_seed": r["arm_seed"], "runs": r["runs"]} for r in done],
         "summary": summary,

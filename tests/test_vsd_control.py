@@ -204,7 +204,7 @@ def test_tree_decoding_is_checked_lossless_against_greedy(control, tiny):
 
 
 def _evaluation(sums, roots, new, forwards):
-    rows = [{"sum": s, "roots": r, "step_rates": [0.5]} for s, r in zip(sums, roots)]
+    rows = [{"sum": s, "forced": 0.9 * s, "roots": r, "step_rates": [0.5]} for s, r in zip(sums, roots)]
     taus = [{"new": n, "forwards": f} for n, f in zip(new, forwards)]
     return {"accept_t1": rows, "tau_t0": taus, "tau_t1": taus}
 
@@ -230,6 +230,7 @@ def test_summary_pools_prompts_and_pairs_the_differences(control):
     assert summary["ce-sample"]["tau_t0"]["vs_ce-greedy"]["diff_ci95"] == [0.0, 0.0]
     assert "vs_ce-greedy" not in summary["ce-greedy"]["tau_t0"]
     assert summary["accept"]["tau_t0"]["value"] == pytest.approx(new.sum() / forwards.sum())
+    assert summary["accept"]["forced_t1"]["value"] == pytest.approx(0.9 * accept["value"])  # its own numerator
     table = control.markdown_tables(summary, {}, control.ControlConfig())
     assert "+0.500 [+0.500, +0.500]" in table and table.count("\n| accept |") == 2
 
