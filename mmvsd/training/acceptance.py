@@ -219,12 +219,12 @@ def chain_steps(target: Target, drafter: Drafter, prompts: list, continuations: 
     rates, ratios, masks = [], [], []
     for step, (mask, p, log_q) in enumerate(step_distributions(drafter, target, batch, depth)):
         ids = draft_ids[shifted(batch.tokens.input_ids, step + 2)[mask]]  # [N] the label's draft id, -1: none
-        known = (ids >= 0)[:, None]
-        p_y = p.gather(-1, ids.clamp(min=0)[:, None]).where(known, 0.0)[:, 0]
-        q_y = log_q.gather(-1, ids.clamp(min=0)[:, None]).exp().where(known, 0.0)[:, 0]
+        index = ids.clamp(min=0)[:, None]
+        p_y = p.gather(-1, index)[:, 0].where(ids >= 0, 0.0)  # 0 outside the draft vocabulary: r = 0 there
+        q_y = log_q.gather(-1, index)[:, 0].exp()
         rate, ratio = (torch.zeros(mask.shape, dtype=p.dtype, device=p.device) for _ in range(2))
         rate[mask] = acceptance(p, log_q).to(rate.dtype)
-        ratio[mask] = torch.where(p_y > 0, torch.minimum(p_y, q_y) / p_y.clamp(min=torch.finfo(p_y.dtype).tiny), 0.0)
+        ratio[mask] = torch.where(p_y > 0, torch.minimum(p_y, q_y) / p_y, 0.0)
         rates.append(rate), ratios.append(ratio), masks.append(mask)
     masks = torch.stack(masks, -1)
     return ChainSteps(torch.stack(rates, -1), torch.stack(ratios, -1), masks & masks[..., :1], masks[..., 0])

@@ -31,7 +31,7 @@ The objectives never look at which drafter they train: only the `Drafter` interf
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -351,7 +351,7 @@ def acceptance(target_probs: Tensor, draft_logprobs: Tensor) -> Tensor:
 
 
 def step_distributions(drafter: Drafter, target: Target, batch: FeatureBatch, num_steps: int,
-                       unroll: Unroll | None = None):
+                       unroll: Unroll | None = None) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
     """Per unrolled step i (the unroll of `ce`): (whether token t+2+i is a loss token [B, T], the target's
     full-vocabulary probabilities of the draft vocabulary at position t+1+i [N, Vd] (not renormalised), the
     drafter's log-probabilities at anchor t [N, Vd]), rows in the mask's order."""
