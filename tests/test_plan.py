@@ -8,13 +8,13 @@ import re
 
 import pytest
 import torch
-from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, TimmWrapperConfig
 
 from mmvsd.cli import main
 from mmvsd.drafters import eagle1_layout
 from mmvsd.errors import UserError
 from mmvsd.layouts.registry import layout
-from mmvsd.training.plan import DDP_BYTES, GB, meta_target
+from mmvsd.training.plan import DDP_BYTES, GB, image_tokens_per_image, meta_target
 
 # LLaVA-1.5-13B as llava-hf publishes it (Vicuna-13B v1.5 + CLIP ViT-L/14 at 336 px), written out here
 VICUNA_13B = dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
@@ -171,4 +171,30 @@ def test_image_root_and_missing_images_are_clear_errors(tmp_path, capsys):
     (coco / "000000033471.jpg").write_bytes(b"jpeg")
     assert main([*common, f"image_root={coco}"]) == 0
     assert "1 conversations, 1 with an image, images under" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_convolutional_vision_tower_plans_with_the_config_s_image_tokens(tmp_path, capsys):
+    """smol-llava's tower is a timm CNN: no image_size or patch_size, so an image's tokens come from the LLaVA
+    config's image_seq_length (the dry-run used to stop with an AttributeError there)."""
+    config = LlavaConfig(
+        text_config=LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=4, vocab_size=1000),
+        vision_config=TimmWrapperConfig(architecture="efficientnet_lite0", do_pooling=False, num_classes=0,
+                                        hidden_size=1280),
+        image_token_index=999, image_seq_length=49, vision_feature_layer=-1, vision_feature_select_strategy="full")
+    config.architectures = ["LlavaForConditionalGeneration"]
+    assert image_tokens_per_image(config) == 49
+    assert image_tokens_per_image(meta_target("llava-1.5-7b")[0].model.config) == (336 // 14) ** 2
+    assert image_tokens_per_image(LlamaConfig()) == 0
+    folder = tmp_path / "cnn-llava"
+    folder.mkdir()
+    config.to_json_file(folder / "config.json")
+    data = tmp_path / "llava_instruct.json"
+    write_llava_instruct(data, "cat.jpg")
+    (tmp_path / "cat.jpg").write_bytes(b"jpeg")
+    assert main(["train", "--target", str(folder), "--drafter", "vispec", "--data", f"llava-instruct:{data}",
+                 "--output", str(tmp_path / "out"), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "1 conversations, 1 with an image" in text and "vispec:" in text
     assert not (tmp_path / "out").exists()

@@ -415,3 +415,33 @@ def test_the_training_target_is_loaded_as_mmvsd_train_loads_it(study, tiny_targe
             study.run_study(args, target=tiny_target)
         assert loaded == expected
         assert trained_on == [tiny_target if not expected else "the training target"]
+
+
+def test_each_arm_against_its_start_is_the_direct_paired_difference():
+    vs_start = load_benchmark_script("vsd_study_vs_start")
+    init = "start"
+    start = {"a": [[2.0, 4.0], [1.0, 2.0]], "b": [[3.0], [1.0]]}  # per prompt: tokens 2, 4, 3 over 1, 2, 1 forwards
+    ones = [[1.0, 1.0], [1.0]]
+
+    def counts(values):  # forwards 1: pooled tau is the mean of the values over the three prompts
+        return {"a": [values[:2], ones[0]], "b": [values[2:], ones[1]]}
+
+    seeds = {"ce-s0": [3.0, 3.0, 4.0], "ce-s1": [2.0, 3.0, 6.0], "acc-s0": [1.0, 1.0, 1.0]}
+    study_json = {
+        "config": {"init": init},
+        "counts": {init: {"accept": start}, **{f: {"accept": counts(v)} for f, v in seeds.items()}},
+        "runs": [{"arm": "ce", "seed": 1, "budget": "steps", "folder": "ce-s1"},
+                 {"arm": "ce", "seed": 0, "budget": "steps", "folder": "ce-s0"},
+                 {"arm": "acc", "seed": 0, "budget": "steps", "folder": "acc-s0"},
+                 {"arm": "acc", "seed": 0, "budget": "wall", "folder": "ignored"}],
+    }
+    rows = {r["arm"]: r for r in vs_start.vs_start(study_json, bootstrap=200)}
+    start_tau = 9.0 / 4.0  # pooled over the three prompts; per prompt 2, 2, 3
+    assert rows["ce"]["diff"] == pytest.approx(3.5 - start_tau)  # the seeds' pooled taus 10 / 3 and 11 / 3
+    assert rows["ce"]["seed0_diff"] == pytest.approx(10.0 / 3.0 - start_tau)  # seed 0, listed second
+    assert rows["acc"]["diff"] == pytest.approx(1.0 - start_tau)
+    low, high = rows["ce"]["diff_ci95"]
+    assert 0 < low <= rows["ce"]["diff"] <= high
+    assert rows["acc"]["diff_ci95"][1] < 0
+    assert rows["ce"]["metric"] == "forced"  # an old study's name for the teacher-forced product
+    assert "E[accepted] T=1, teacher-forced | ce | +1.250" in vs_start.markdown(list(rows.values()))

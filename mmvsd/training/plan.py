@@ -206,6 +206,19 @@ def launch_command(argv: list[str], num_gpus: int) -> str:
                        str(DEEPSPEED_JSON), "--num_processes", str(num_gpus), "-m", "mmvsd", *args])
 
 
+def image_tokens_per_image(config) -> int:
+    """Prompt tokens one image takes, from a target's config: (image_size / patch_size)^2 for a ViT tower (CLIP's),
+    else the config's `image_seq_length` (a convolutional tower, such as smol-llava's timm one, has no patch size);
+    0 for a text target."""
+    vision = getattr(config, "vision_config", None)
+    if vision is None:
+        return 0
+    size, patch = getattr(vision, "image_size", None), getattr(vision, "patch_size", None)
+    if size and patch:
+        return (size // patch) ** 2
+    return int(getattr(config, "image_seq_length", 0) or 0)
+
+
 def describe_plan(config: TrainConfig, argv: list[str], num_gpus: int) -> str:
     """The plan `mmvsd train --dry-run` prints."""
     target, config_path = meta_target(config.target)
@@ -215,9 +228,7 @@ def describe_plan(config: TrainConfig, argv: list[str], num_gpus: int) -> str:
     drafter = drafter_class(config.drafter).from_target(target, draft_vocab_size=config.draft_vocab_size)
     trainable = count(drafter, trainable_only=True)
     draft_vocab = drafter.draft_vocab_size
-    vision = getattr(target.model.config, "vision_config", None)
-    image_tokens = (vision.image_size // vision.patch_size) ** 2 if vision is not None else 0
-    data = data_plan(config, image_tokens) if config.features == "online" else None
+    data = data_plan(config, image_tokens_per_image(target.model.config)) if config.features == "online" else None
     lines = [f"mmvsd train --dry-run: nothing loaded, nothing written (config: {config_path})",
              f"target   {config.target}: {target_params / GB:.2f} B parameters ("
              + ", ".join(f"{name} {n / GB:.3f} B" for name, n in groups.items())
