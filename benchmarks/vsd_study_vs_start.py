@@ -35,18 +35,17 @@ def vs_start(study: dict, bootstrap: int = 2000, bootstrap_seed: int = 0, budget
     """[{metric, arm, diff, diff_ci95, seed0_diff, seed0_diff_ci95}] for every metric and arm in `study`."""
     init = study["config"]["init"]
     counts = study["counts"]
+    runs: dict[str, list[dict]] = {}
+    for run in sorted(study["runs"], key=lambda r: r["seed"]):
+        if run["budget"] == budget:
+            runs.setdefault(run["arm"], []).append(run)
     rows = []
     for metric, by_set in counts[init].items():
         sets = list(by_set)
         num_prompts = sum(len(by_set[s][0]) for s in sets)
         resamples = prompt_resamples(num_prompts, bootstrap, bootstrap_seed)
         start = arm_counts(counts, [init], metric, sets)
-        runs: dict[str, list[dict]] = {}
-        for run in study["runs"]:
-            if run["budget"] == budget:
-                runs.setdefault(run["arm"], []).append(run)
         for i, (arm, arm_runs) in enumerate(sorted(runs.items())):
-            arm_runs = sorted(arm_runs, key=lambda r: r["seed"])
             data = arm_counts(counts, [r["folder"] for r in arm_runs], metric, sets)
             draws = (seed_resamples(len(arm_runs), bootstrap, bootstrap_seed + 1 + i),
                      seed_resamples(1, bootstrap, bootstrap_seed))
