@@ -32,7 +32,7 @@ class TrainConfig:
     drafter: str = "eagle3"  # a registered drafter type
     init: str = "none"  # none | drafter folder | LAYOUT (released for the target) | LAYOUT:PATH
     # ce | vsd (ablation: no KL half) | vsd-kl | ce+vsd (the paper's recipe) | accept | ce+accept | vsd-rloo
-    # | ce+vsd-rloo (objectives.py's docstring). ce+accept won the pre-registered SmolLM2 study (docs/reproduction.md)
+    # | ce+vsd-rloo (objectives.py's docstring). ce+accept won both pre-registered studies (docs/reproduction.md)
     objective: str = "ce+accept"
     data: str = "sharegpt"  # sharegpt, sharegpt:PATH, llava-instruct:PATH or a file; SPEC+SPEC mixes them
     image_root: str = ""  # where the data's relative image paths are ("": each data file's folder); LLaVA-Instruct
