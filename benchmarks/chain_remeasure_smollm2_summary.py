@@ -1,5 +1,5 @@
 """Pooled chain metrics (unbiased and teacher-forced) per shipped SmolLM2 drafter, paired differences with a
-prompt bootstrap, and a check that the forced values reproduce the study's init counts.
+prompt bootstrap (vsd_study's statistics), and a check that the forced values reproduce the study's init counts.
 
     python benchmarks/chain_remeasure_smollm2_summary.py benchmarks/results/chain_remeasure_smollm2.json
 """
@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vsd_study import compare_arms, prompt_resamples, summarise_arm  # noqa: E402
 
 new = json.load(open(sys.argv[1]))
 study = json.load(open(str(Path(__file__).resolve().parent / "results/vsd_power_smollm2.json")))
@@ -21,27 +24,20 @@ for s in sets:
           f"{study['counts'][init_key]['accept'][s][1] == new['drafters']['eagle3-ce'][s]['anchors']}")
 
 
-def arrays(name, metric):
+def counts(name, metric):
+    """([1, P] summed expected acceptance, [1, P] anchors) over the three benchmarks: one seed."""
     num = np.concatenate([new["drafters"][name][s][metric] for s in sets])
     den = np.concatenate([new["drafters"][name][s]["anchors"] for s in sets])
-    return num, den
+    return num[None].astype(float), den[None].astype(float)
 
 
-rng = np.random.default_rng(0)
-n = len(arrays("eagle3-ce", "chain")[0])
-idx = rng.integers(0, n, size=(2000, n))
-out = {}
+resamples = prompt_resamples(counts("eagle3-ce", "chain")[0].shape[1], 2000, 0)
 for metric in ("chain", "forced"):
     for name in ("eagle3-ce", "eagle3-accept", "eagle3-vsd"):
-        num, den = arrays(name, metric)
-        boot = num[idx].sum(1) / den[idx].sum(1)
-        out[(metric, name)] = (num, den, boot)
-        low, high = np.percentile(boot, [2.5, 97.5])
-        print(f"{metric:6s} {name:14s} {num.sum() / den.sum():.4f} [{low:.4f}, {high:.4f}]")
+        row = summarise_arm(*counts(name, metric), resamples)
+        print(f"{metric:6s} {name:14s} {row['tau']:.4f} [{row['ci95'][0]:.4f}, {row['ci95'][1]:.4f}]")
     for name in ("eagle3-accept", "eagle3-vsd"):
-        a, b = out[(metric, name)], out[(metric, "eagle3-ce")]
-        diff = a[0].sum() / a[1].sum() - b[0].sum() / b[1].sum()
-        boot = a[2] - b[2]
-        low, high = np.percentile(boot, [2.5, 97.5])
-        print(f"{metric:6s} {name} - eagle3-ce: {diff:+.4f} [{low:+.4f}, {high:+.4f}]"
-              f" ({100 * diff / (b[0].sum() / b[1].sum()):+.1f}%)")
+        diff = compare_arms(counts(name, metric), counts("eagle3-ce", metric), resamples)
+        low, high = diff["diff_ci95"]
+        print(f"{metric:6s} {name} - eagle3-ce: {diff['diff']:+.4f} [{low:+.4f}, {high:+.4f}]"
+              f" ({100 * (diff['ratio'] - 1):+.1f}%)")
