@@ -401,6 +401,22 @@ def metric_names(args: argparse.Namespace) -> list[str]:
     return (list(CHAIN_METRICS) if args.accept_depth else []) + [f"{t:g}" for t in args.temperatures]
 
 
+def runs_by_arm(runs: list[dict], budget: str) -> dict[str, list[dict]]:
+    """{arm: its runs at `budget`}, each arm's runs in the order `runs` lists them."""
+    by_arm: dict[str, list[dict]] = {}
+    for run in runs:
+        if run["budget"] == budget:
+            by_arm.setdefault(run["arm"], []).append(run)
+    return by_arm
+
+
+def arm_seed_draws(by_arm: dict[str, list[dict]], bootstrap: int, bootstrap_seed: int) -> dict[str, np.ndarray]:
+    """Each arm's seed draws of the hierarchical bootstrap: the i-th arm by name draws with bootstrap_seed + 1 + i
+    (bootstrap_seed itself draws the prompts)."""
+    return {arm: seed_resamples(len(arm_runs), bootstrap, bootstrap_seed + 1 + i)
+            for i, (arm, arm_runs) in enumerate(sorted(by_arm.items()))}
+
+
 def summarise(args: argparse.Namespace, runs: list[dict], counts: dict, set_names: list[str]) -> list[dict]:
     """One row per (metric, prompt set or 'all', budget, arm), with the comparison to the baseline. Intervals are
     hierarchical: seeds drawn with replacement per arm, then prompts (shared by every arm: paired)."""
@@ -414,12 +430,8 @@ def summarise(args: argparse.Namespace, runs: list[dict], counts: dict, set_name
             rows.append({"metric": metric, "prompts": group, "budget": "-", "arm": "init", "steps": 0,
                          **summarise_arm(*init, resamples)})
             for budget in args.evaluate_budgets:
-                by_arm = {}
-                for run in runs:
-                    if run["budget"] == budget:
-                        by_arm.setdefault(run["arm"], []).append(run)
-                draws = {arm: seed_resamples(len(arm_runs), args.bootstrap, args.bootstrap_seed + 1 + i)
-                         for i, (arm, arm_runs) in enumerate(sorted(by_arm.items()))}
+                by_arm = runs_by_arm(runs, budget)
+                draws = arm_seed_draws(by_arm, args.bootstrap, args.bootstrap_seed)
                 baseline = arm_counts(counts, [r["folder"] for r in by_arm[args.baseline_arm]], metric, names)
                 for arm, arm_runs in by_arm.items():
                     data = arm_counts(counts, [r["folder"] for r in arm_runs], metric, names)

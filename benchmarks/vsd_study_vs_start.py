@@ -21,9 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vsd_study import (  # noqa: E402
     CHAIN_METRICS,
     arm_counts,
+    arm_seed_draws,
     compare_arms,
     metric_title,
     prompt_resamples,
+    runs_by_arm,
     seed_resamples,
 )
 
@@ -35,21 +37,18 @@ def vs_start(study: dict, bootstrap: int = 2000, bootstrap_seed: int = 0, budget
     """[{metric, arm, diff, diff_ci95, seed0_diff, seed0_diff_ci95}] for every metric and arm in `study`."""
     init = study["config"]["init"]
     counts = study["counts"]
-    runs: dict[str, list[dict]] = {}
-    for run in sorted(study["runs"], key=lambda r: r["seed"]):
-        if run["budget"] == budget:
-            runs.setdefault(run["arm"], []).append(run)
+    runs = runs_by_arm(sorted(study["runs"], key=lambda r: r["seed"]), budget)  # seed 0 first in each arm
+    draws = arm_seed_draws(runs, bootstrap, bootstrap_seed)
+    start_draws = seed_resamples(1, bootstrap, bootstrap_seed)
     rows = []
     for metric, by_set in counts[init].items():
         sets = list(by_set)
         num_prompts = sum(len(by_set[s][0]) for s in sets)
         resamples = prompt_resamples(num_prompts, bootstrap, bootstrap_seed)
         start = arm_counts(counts, [init], metric, sets)
-        for i, (arm, arm_runs) in enumerate(sorted(runs.items())):
+        for arm, arm_runs in sorted(runs.items()):
             data = arm_counts(counts, [r["folder"] for r in arm_runs], metric, sets)
-            draws = (seed_resamples(len(arm_runs), bootstrap, bootstrap_seed + 1 + i),
-                     seed_resamples(1, bootstrap, bootstrap_seed))
-            pooled = compare_arms(data, start, resamples, seed_draws=draws)
+            pooled = compare_arms(data, start, resamples, seed_draws=(draws[arm], start_draws))
             seed0 = compare_arms((data[0][:1], data[1][:1]), start, resamples)
             rows.append({"metric": LEGACY_METRICS.get(metric, metric), "arm": arm, "seed0": arm_runs[0]["seed"],
                          "diff": pooled["diff"], "diff_ci95": pooled["diff_ci95"], "seed0_diff": seed0["diff"],
