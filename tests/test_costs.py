@@ -12,7 +12,7 @@ from conftest import make_tiny_llama, save_tiny_target
 from mmvsd.cli import main
 from mmvsd.decoding import cost_cache, fingerprints
 from mmvsd.decoding.cost_cache import cost_table_path, load_cost_table
-from mmvsd.decoding.cost_measure import measure_costs
+from mmvsd.decoding.cost_measure import measure_costs, spot_check
 from mmvsd.decoding.costs import CostTable
 from mmvsd.decoding.fingerprints import cost_key
 from mmvsd.drafters.eagle3 import Eagle3Drafter
@@ -168,6 +168,50 @@ def test_a_file_from_another_key_under_this_name_is_not_used(fake_measure, tiny_
     assert fake_measure.calls == 2 and again.key == table.key
     assert "another machine" in caplog.text
     assert json.loads(path.read_text())["key"] == table.key  # rewritten for this machine
+
+
+def test_drift_names_the_first_step_off_by_more_than_the_factor():
+    table = synthetic_table()  # batch 1: 1.0 s at 1 token, 5.0 s at 8
+    assert cost_cache.drift(table, {1: 1.0, 8: 5.0}) is None
+    assert cost_cache.drift(table, {1: 1.45, 8: 5.0 / 1.45}) is None  # inside the factor both ways
+    assert cost_cache.drift(table, {1: 1.6, 8: 5.0}) == ("a verify step of 1 tokens takes 1600.0 ms now, "
+                                                         "1000.0 ms in the profile")
+    assert "of 8 tokens takes 3000.0 ms now, 5000.0 ms" in cost_cache.drift(table, {1: 1.0, 8: 3.0})
+    assert "of 6 tokens takes 1000.0 ms now, 4000.0 ms" in cost_cache.drift(table, {6: 1.0})  # interpolated
+
+
+class FakeSpotCheck:
+    """Stands in for `spot_check`: counts calls and reports the cached table's own steps times `factor`."""
+
+    def __init__(self, factor: float) -> None:
+        self.factor, self.calls = factor, 0
+
+    def __call__(self, target, drafter, table, tokens=(1, 16), **_):
+        self.calls += 1
+        return {n: table.target_step(n, min(table.target_seconds)) * self.factor for n in tokens}
+
+
+@pytest.mark.parametrize("factor, measured_again", [(1.0, False), (1.3, False), (3.0, True), (0.4, True)])
+def test_a_cached_table_is_spot_checked_once_per_process(fake_measure, monkeypatch, tiny_target, caplog,
+                                                         factor, measured_again):
+    table = load_cost_table(tiny_target, progress=False)
+    path = cost_table_path(table.key)
+    monkeypatch.setattr(cost_cache, "_CHECKED", set())  # as a later process finds it
+    check = FakeSpotCheck(factor)
+    monkeypatch.setattr(cost_cache, "spot_check", check)
+    with caplog.at_level(logging.WARNING):
+        assert load_cost_table(tiny_target, progress=False) == table
+        load_cost_table(tiny_target, progress=False)
+    assert check.calls == 1 and fake_measure.calls == 1 + measured_again
+    assert ("no longer fits this machine" in caplog.text) == measured_again
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+
+def test_spot_check_times_real_verify_steps_and_leaves_no_state(tiny_target, random_drafter, one_thread):
+    table = measure_costs(tiny_target, random_drafter, context=16, repeats=1, target_tokens=(1, 16), draft_widths=(2,))
+    for _ in range(2):
+        seconds = spot_check(tiny_target, random_drafter, table, repeats=2)
+        assert list(seconds) == [1, 16] and all(0 < s < 5 for s in seconds.values())
 
 
 @pytest.mark.parametrize("content", ["{not json", "", '{"key": {}, "target_tokens": [1]}', "[1, 2]"])

@@ -1,4 +1,5 @@
-"""Cost tables cached per key under the mmvsd cache: measured once per machine, target, dtype and drafter."""
+"""Cost tables cached per key under the mmvsd cache: measured once per machine, target, dtype and drafter, and
+spot-checked on their first use in a process (measured again if this host runs the same CPU at another speed)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ import re
 import sys
 from pathlib import Path
 
-from mmvsd.decoding.cost_measure import measure_costs
+from mmvsd.decoding.cost_measure import measure_costs, spot_check
 from mmvsd.decoding.costs import CostTable
 from mmvsd.decoding.fingerprints import cost_key
 from mmvsd.files import atomic_file, cache_root
 from mmvsd.target import Target
 
 logger = logging.getLogger(__name__)
+
+DRIFT_FACTOR = 1.5  # a cached table is measured again when a spot-checked step is this many times off
+_CHECKED: set[Path] = set()  # cache files spot-checked (or written) by this process
 
 
 def profiles_dir() -> Path:
@@ -67,12 +71,30 @@ def load_cost_table(
     key = cost_key(target, drafter, batch_sizes, context)
     path = cost_table_path(key)
     table = None if refresh else _read_cached(path, key)
+    if table is not None and path not in _CHECKED:  # once per process: decoding loads the table every call
+        why = drift(table, spot_check(target, drafter, table))
+        if why is not None:
+            logger.warning("mmvsd: cost profile %s no longer fits this machine (%s); measuring again", path, why)
+            table = None
     if table is not None:
+        _CHECKED.add(path)
         return table
     if progress:
-        print(f"mmvsd: measuring the costs of {target.name} on this machine (once; cached in {path})",
-              file=sys.stderr, flush=True)
+        print(f"mmvsd: measuring the costs of {target.name} on this machine (cached in {path})", file=sys.stderr,
+              flush=True)
     table = measure_costs(target, drafter, batch_sizes, context=context, progress=progress)
     with atomic_file(path) as handle:
         json.dump(table.to_json(), handle, indent=1)
+    _CHECKED.add(path)
     return table
+
+
+def drift(table: CostTable, seconds_now: dict[int, float]) -> str | None:
+    """Why `table` no longer describes this machine, or None: a verify step timed now (tokens -> seconds, at
+    the table's smallest batch) more than DRIFT_FACTOR times slower or faster than the table says."""
+    batch = min(table.target_seconds)
+    for tokens, now in sorted(seconds_now.items()):
+        then = table.target_step(tokens, batch)
+        if not then / DRIFT_FACTOR <= now <= then * DRIFT_FACTOR:
+            return f"a verify step of {tokens} tokens takes {now * 1e3:.1f} ms now, {then * 1e3:.1f} ms in the profile"
+    return None

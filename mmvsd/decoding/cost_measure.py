@@ -102,6 +102,17 @@ def measure_verify_steps(target: Target, cache: RaggedCache, need_aux: bool, tok
     return tuple(typical(samples[n]) for n in tokens)
 
 
+@torch.no_grad()
+def spot_check(target: Target, drafter, table: CostTable, tokens: tuple[int, ...] = (1, 16),
+               repeats: int = 7) -> dict[int, float]:
+    """Typical seconds of a verify step over each of `tokens` now, at the table's context and smallest batch,
+    by the table's own statistic: whether a cached table still describes this machine (hosts with the same CPU
+    model and flags differ up to threefold in memory bandwidth)."""
+    need_aux = drafter is not None and drafter.reads_aux
+    cache, _, _ = prefilled_cache(target, min(table.target_seconds), table.context, need_aux)
+    return dict(zip(tokens, measure_verify_steps(target, cache, need_aux, tokens, repeats)))
+
+
 def _draft_inputs(drafter, out, ids: Tensor, width: int, first: bool = False) -> DraftInputs:
     """The drafter's pairs for the first `width` prefill positions (`first`: as a prefill gives them)."""
     features = drafter.target_features(out.aux_hidden, out.last_hidden)[:, :width]
