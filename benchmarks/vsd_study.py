@@ -37,6 +37,7 @@ Wall clock on a shared machine is noisy: the per-step seconds used for phase 2 a
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import sys
@@ -323,13 +324,24 @@ def measured_prompts(prompt_set: PromptSet, temperature: float, sampled_limit: i
     return prompt_set.prompts if temperature == 0 else prompt_set.prompts[: sampled_limit or None]
 
 
+def prompts_digest(prompts: list) -> str:
+    """A hash of what the prompts are (token ids and media embeddings): a prompt file edited under the same
+    name, or other images behind the same placeholders, is measured again."""
+    sha = hashlib.sha256()
+    for prompt in prompts:
+        sha.update(json.dumps(prompt.token_ids).encode())
+        if prompt.inputs_embeds is not None:
+            sha.update(prompt.inputs_embeds.detach().float().cpu().numpy().tobytes())
+    return sha.hexdigest()[:16]
+
+
 def evaluation_key(args: argparse.Namespace, digest: str, metric: str, prompt_set: PromptSet) -> str:
     """Everything a measurement depends on: weights (`weights_sha256`), target, prompts, tree, metric, seed."""
     if metric in CHAIN_METRICS:
-        return json.dumps([digest, args.target, prompt_set.name, len(prompt_set.prompts), args.max_new_tokens,
-                           CHAIN_METRICS[metric], args.accept_depth, args.eval_seed])
+        return json.dumps([digest, args.target, prompt_set.name, prompts_digest(prompt_set.prompts),
+                           args.max_new_tokens, CHAIN_METRICS[metric], args.accept_depth, args.eval_seed])
     temperature = float(metric)
-    prompts = len(measured_prompts(prompt_set, temperature, args.sampled_limit))
+    prompts = prompts_digest(measured_prompts(prompt_set, temperature, args.sampled_limit))
     return json.dumps([digest, args.target, prompt_set.name, prompts, args.max_new_tokens, args.tree,
                        temperature, args.eval_seed])
 

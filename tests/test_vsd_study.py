@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import load_benchmark_script
+from mmvsd.decoding.decode import as_prompts
 from mmvsd.errors import UserError
 
 
@@ -214,7 +215,7 @@ def test_measurements_are_cached_by_weights_and_settings(study, tmp_path, monkey
 
     monkeypatch.setattr(study, "measure_counts", fake_measure)
     monkeypatch.setattr("mmvsd.drafters.spec.neural_drafter_from_spec", lambda folder, target: drafters[folder])
-    sets = [study.PromptSet("p", [None] * 5)]
+    sets = [study.PromptSet("p", as_prompts([[i] for i in range(5)]))]
     args = study.parse_args(["--init", "a", "--out", str(tmp_path), "--temperatures", "0,1", "--sampled-limit", "2"])
     counts = study.evaluate_all(args, None, [], sets)
     assert calls == [(1.0, 0.0), (1.0, 1.0)]
@@ -256,7 +257,8 @@ def test_evaluate_finished_measures_the_trained_runs_for_the_study_and_shares_th
 
     monkeypatch.setattr(study, "measure_counts", fake_measure)
     monkeypatch.setattr("mmvsd.drafters.spec.neural_drafter_from_spec", lambda folder, target: drafters[folder])
-    monkeypatch.setattr(study, "study_prompt_sets", lambda args, target: [study.PromptSet("p", [None] * 4)])
+    sets = [study.PromptSet("p", as_prompts([[i] for i in range(4)]))]
+    monkeypatch.setattr(study, "study_prompt_sets", lambda args, target: sets)
     for name in ("ce-steps-s0", "recipe-steps-s0"):
         (tmp_path / "runs" / name).mkdir(parents=True)
         (tmp_path / "runs" / name / study.RUN_FILE).write_text(json.dumps({"folder": str(tmp_path / "runs" / name)}))
@@ -267,7 +269,7 @@ def test_evaluate_finished_measures_the_trained_runs_for_the_study_and_shares_th
     assert "other" in json.loads(cache_path.read_text())  # merged, not overwritten
     calls.clear()
     runs = [{"folder": str(tmp_path / "runs" / name)} for name in ("ce-steps-s0", "recipe-steps-s0")]
-    counts = study.evaluate_all(args, None, runs, [study.PromptSet("p", [None] * 4)])
+    counts = study.evaluate_all(args, None, runs, sets)
     assert calls == [] and counts[runs[1]["folder"]]["0"]["p"] == [[3] * 4, [2] * 4]
 
 
@@ -364,7 +366,6 @@ def test_a_run_trained_in_chunks_resumes_to_the_uninterrupted_weights(study, tmp
 def test_the_chain_metrics_counts_are_the_evaluators_sums(study, tiny_target, random_drafter):
     """"chain" is the unbiased estimate, "forced" the teacher-forced product; their cache keys differ (the
     product keeps the key it had as "accept"), as do those of the T = 1 tau."""
-    from mmvsd.decoding.decode import as_prompts
     from mmvsd.training.acceptance import expected_acceptance
 
     gen = torch.Generator().manual_seed(3)
@@ -381,6 +382,10 @@ def test_the_chain_metrics_counts_are_the_evaluators_sums(study, tiny_target, ra
     assert study.metric_names(args) == ["chain", "forced", "0", "1"]
     keys = [json.loads(study.evaluation_key(args, "d", m, study.PromptSet("p", prompts))) for m in ("chain", "forced")]
     assert keys[0][5] == "chain" and keys[1][5] == "accept" and keys[0][:5] == keys[1][:5]
+    edited = as_prompts([p.token_ids[:-1] + [p.token_ids[-1] + 1] for p in prompts])  # same name and count
+    assert json.loads(study.evaluation_key(args, "d", "chain", study.PromptSet("p", edited)))[3] != keys[0][3]
+    timed = [json.loads(study.evaluation_key(args, "d", "1", study.PromptSet("p", ps))) for ps in (prompts, edited)]
+    assert timed[0][3] != timed[1][3]
     assert anchors == [8, 5, 7]  # every continuation token after the first is an anchor's next-but-one token
 
 
