@@ -40,7 +40,7 @@ from mmvsd.prompts import load_eval_prompts
 from mmvsd.shipped import target_checksum
 from mmvsd.target import Target
 from mmvsd.training.features import TokenBatch, capture_features
-from mmvsd.training.objectives import acceptance, step_distributions
+from mmvsd.training.objectives import masked_acceptance, step_distributions
 from mmvsd.training.unroll import shifted
 
 TIE_EPSILON = 1e-4  # a target choice whose top-2 logits are closer than this may flip between kernels
@@ -222,10 +222,9 @@ def chain_steps(target: Target, drafter: Drafter, prompts: list, continuations: 
         index = ids.clamp(min=0)[:, None]
         p_y = p.gather(-1, index)[:, 0].where(ids >= 0, 0.0)  # 0 outside the draft vocabulary: r = 0 there
         q_y = log_q.gather(-1, index)[:, 0].exp()
-        rate, ratio = (torch.zeros(mask.shape, dtype=p.dtype, device=p.device) for _ in range(2))
-        rate[mask] = acceptance(p, log_q).to(rate.dtype)
+        ratio = torch.zeros(mask.shape, dtype=p.dtype, device=p.device)
         ratio[mask] = torch.where(p_y > 0, torch.minimum(p_y, q_y) / p_y, 0.0)
-        rates.append(rate), ratios.append(ratio), masks.append(mask)
+        rates.append(masked_acceptance(mask, p, log_q)), ratios.append(ratio), masks.append(mask)
     masks = torch.stack(masks, -1)
     return ChainSteps(torch.stack(rates, -1), torch.stack(ratios, -1), masks & masks[..., :1], masks[..., 0])
 

@@ -350,6 +350,13 @@ def acceptance(target_probs: Tensor, draft_logprobs: Tensor) -> Tensor:
     return torch.minimum(target_probs, draft_logprobs.exp()).sum(-1)
 
 
+def masked_acceptance(mask: Tensor, target_probs: Tensor, draft_logprobs: Tensor) -> Tensor:
+    """[B, T] `acceptance` at the positions of `mask` ([N, V] rows in mask order), 0 elsewhere."""
+    rates = torch.zeros(mask.shape, dtype=target_probs.dtype, device=target_probs.device)
+    rates[mask] = acceptance(target_probs, draft_logprobs).to(rates.dtype)
+    return rates
+
+
 def step_distributions(drafter: Drafter, target: Target, batch: FeatureBatch, num_steps: int,
                        unroll: Unroll | None = None) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
     """Per unrolled step i (the unroll of `ce`): (whether token t+2+i is a loss token [B, T], the target's
@@ -366,12 +373,8 @@ def step_acceptance(drafter: Drafter, target: Target, batch: FeatureBatch, num_s
                     unroll: Unroll | None = None) -> list[tuple[Tensor, Tensor]]:
     """Per unrolled step i: (acceptance [B, T] of the drafter's distribution at anchor t for token t+2+i against
     the target's at position t+1+i, whether token t+2+i is a loss token [B, T]); the unroll of `ce`."""
-    steps = []
-    for mask, target_probs, draft_logprobs in step_distributions(drafter, target, batch, num_steps, unroll):
-        rates = torch.zeros(mask.shape, dtype=target_probs.dtype, device=target_probs.device)
-        rates[mask] = acceptance(target_probs, draft_logprobs).to(rates.dtype)
-        steps.append((rates, mask))
-    return steps
+    return [(masked_acceptance(mask, target_probs, draft_logprobs), mask)
+            for mask, target_probs, draft_logprobs in step_distributions(drafter, target, batch, num_steps, unroll)]
 
 
 def accept_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: ObjectiveConfig,
