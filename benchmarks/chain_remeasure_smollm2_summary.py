@@ -1,5 +1,5 @@
 """Pooled chain metrics (unbiased and teacher-forced) per shipped SmolLM2 drafter, paired differences with a
-prompt bootstrap (vsd_study's statistics), and a check that the forced values reproduce the study's init counts.
+prompt bootstrap (study_stats.py), and a check that the forced values reproduce the study's init counts.
 
     python benchmarks/chain_remeasure_smollm2_summary.py benchmarks/results/chain_remeasure_smollm2.json
 """
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vsd_study import compare_arms, prompt_resamples, summarise_arm  # noqa: E402
+from study_stats import compare_arms, prompt_resamples, summarise_arm  # noqa: E402
 
 new = json.load(open(sys.argv[1]))
 study = json.load(open(str(Path(__file__).resolve().parent / "results/vsd_power_smollm2.json")))

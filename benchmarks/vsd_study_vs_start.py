@@ -18,16 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vsd_study import (  # noqa: E402
-    CHAIN_METRICS,
-    arm_counts,
-    arm_seed_draws,
-    compare_arms,
-    metric_title,
-    prompt_resamples,
-    runs_by_arm,
-    seed_resamples,
-)
+from study_report import metric_title  # noqa: E402
+from study_stats import compare_arms, prompt_resamples, seed_resamples  # noqa: E402
+from vsd_study import CHAIN_METRICS, arm_counts, arm_seed_draws, runs_by_arm  # noqa: E402
 
 # a study.json written before the unbiased chain metric existed names the teacher-forced product "accept"
 LEGACY_METRICS = {CHAIN_METRICS["forced"]: "forced"}
