@@ -51,7 +51,7 @@ DEFAULT_ARMS = ("ce=ce", "recipe=ce+vsd")
 RUN_FILE = "study_run.json"
 EVAL_CACHE_FILE = "eval_cache.json"
 # the chain metrics (--accept-depth) and the name each has in the cache's keys: "accept" is the teacher-forced
-# product's, which was the primary metric under that name before the unbiased estimate replaced it
+# product's, the name it had as the primary metric before the unbiased estimate replaced it
 CHAIN_METRICS = {"chain": "chain", "forced": "accept"}
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -267,14 +267,10 @@ def measured_prompts(prompt_set: PromptSet, temperature: float, sampled_limit: i
 
 
 def prompts_digest(prompts: list) -> str:
-    """A hash of what the prompts are (token ids and media embeddings): a prompt file edited under the same
-    name, or other images behind the same placeholders, is measured again."""
-    sha = hashlib.sha256()
-    for prompt in prompts:
-        sha.update(json.dumps(prompt.token_ids).encode())
-        if prompt.inputs_embeds is not None:
-            sha.update(prompt.inputs_embeds.detach().float().cpu().numpy().tobytes())
-    return sha.hexdigest()[:16]
+    """A hash of the prompts' token ids: a prompt file edited under the same name is measured again. Media are
+    known by the set's name (their embeddings may differ in the last bits between thread counts, and the study
+    and its `--evaluate-finished` beside it share measurements)."""
+    return hashlib.sha256(json.dumps([p.token_ids for p in prompts]).encode()).hexdigest()[:16]
 
 
 def evaluation_key(args: argparse.Namespace, digest: str, metric: str, prompt_set: PromptSet) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -115,11 +116,23 @@ class FakeMeasure:
                          {b: 0.0 for b in batch_sizes}, context)
 
 
+class FakeSpotCheck:
+    """Stands in for `spot_check`: counts calls and reports the table's steps times `factor`."""
+
+    def __init__(self) -> None:
+        self.factor, self.calls = 1.0, 0
+
+    def __call__(self, target, drafter, table, tokens=(1, 16), **_):
+        self.calls += 1
+        return {n: table.target_step(n, min(table.target_seconds)) * self.factor for n in tokens}
+
+
 @pytest.fixture()
 def fake_measure(monkeypatch, tmp_path) -> FakeMeasure:
     monkeypatch.setenv("MMVSD_CACHE", str(tmp_path))
     fake = FakeMeasure()
     monkeypatch.setattr(cost_cache, "measure_costs", fake)
+    monkeypatch.setattr(cost_cache, "spot_check", FakeSpotCheck())  # the table's own steps: never drifted
     return fake
 
 
@@ -170,44 +183,48 @@ def test_a_file_from_another_key_under_this_name_is_not_used(fake_measure, tiny_
     assert json.loads(path.read_text())["key"] == table.key  # rewritten for this machine
 
 
-def test_drift_names_the_first_step_off_by_more_than_the_factor():
-    table = synthetic_table()  # batch 1: 1.0 s at 1 token, 5.0 s at 8
+def test_drift_needs_every_spot_checked_step_off_the_same_way():
+    table = synthetic_table()  # batch 1: 1.0 s at 1 token, 3.0 at 4, 5.0 at 8
     assert cost_cache.drift(table, {1: 1.0, 8: 5.0}) is None
     assert cost_cache.drift(table, {1: 1.45, 8: 5.0 / 1.45}) is None  # inside the factor both ways
-    assert cost_cache.drift(table, {1: 1.6, 8: 5.0}) == ("a verify step of 1 tokens takes 1600.0 ms now, "
-                                                         "1000.0 ms in the profile")
-    assert "of 8 tokens takes 3000.0 ms now, 5000.0 ms" in cost_cache.drift(table, {1: 1.0, 8: 3.0})
-    assert "of 6 tokens takes 1000.0 ms now, 4000.0 ms" in cost_cache.drift(table, {6: 1.0})  # interpolated
-
-
-class FakeSpotCheck:
-    """Stands in for `spot_check`: counts calls and reports the cached table's own steps times `factor`."""
-
-    def __init__(self, factor: float) -> None:
-        self.factor, self.calls = factor, 0
-
-    def __call__(self, target, drafter, table, tokens=(1, 16), **_):
-        self.calls += 1
-        return {n: table.target_step(n, min(table.target_seconds)) * self.factor for n in tokens}
+    assert cost_cache.drift(table, {1: 1.6, 8: 5.0}) is None  # one step off alone: noise
+    assert cost_cache.drift(table, {1: 1.6, 8: 3.0}) is None  # off in opposite directions
+    assert cost_cache.drift(table, {1: 1.6, 8: 8.0}) == ("a verify step over 1 token takes 1600.0 ms now, 1000.0 ms "
+                                                         "when profiled; a verify step over 8 tokens takes 8000.0 ms "
+                                                         "now, 5000.0 ms when profiled")
+    assert "over 6 tokens takes 1000.0 ms now, 4000.0 ms" in cost_cache.drift(table, {1: 0.6, 6: 1.0})  # faster
+    referenced = dataclasses.replace(table, spot_seconds={1: 2.0, 8: 10.0})  # timed as spot checks time them
+    assert cost_cache.drift(referenced, {1: 2.0, 8: 10.0}) is None
+    assert "2000.0 ms when profiled" in cost_cache.drift(referenced, {1: 1.0, 8: 5.0})
 
 
 @pytest.mark.parametrize("factor, measured_again", [(1.0, False), (1.3, False), (3.0, True), (0.4, True)])
 def test_a_cached_table_is_spot_checked_once_per_process(fake_measure, monkeypatch, tiny_target, caplog,
                                                          factor, measured_again):
+    check = FakeSpotCheck()
+    monkeypatch.setattr(cost_cache, "spot_check", check)
     table = load_cost_table(tiny_target, progress=False)
+    assert check.calls == 1 and table.spot_seconds == pytest.approx({1: 0.01, 16: 0.085})  # its reference, stored
     path = cost_table_path(table.key)
     monkeypatch.setattr(cost_cache, "_CHECKED", set())  # as a later process finds it
-    check = FakeSpotCheck(factor)
-    monkeypatch.setattr(cost_cache, "spot_check", check)
+    check.factor = factor
     with caplog.at_level(logging.WARNING):
-        assert load_cost_table(tiny_target, progress=False) == table
+        again = load_cost_table(tiny_target, progress=False)
         load_cost_table(tiny_target, progress=False)
-    assert check.calls == 1 and fake_measure.calls == 1 + measured_again
+    assert check.calls == 2 + measured_again and fake_measure.calls == 1 + measured_again
     assert ("no longer fits this machine" in caplog.text) == measured_again
+    assert again.spot_seconds[1] == pytest.approx(0.01 * (factor if measured_again else 1))  # the reference
     assert [p.name for p in path.parent.iterdir()] == [path.name]
 
 
-def test_spot_check_times_real_verify_steps_and_leaves_no_state(tiny_target, random_drafter, one_thread):
+def test_a_measured_table_keeps_a_real_spot_check_as_its_reference(fake_measure, tiny_target, monkeypatch):
+    monkeypatch.setattr(cost_cache, "spot_check", spot_check)
+    table = load_cost_table(tiny_target, progress=False)
+    assert list(table.spot_seconds) == [1, 16] and all(0 < s < 5 for s in table.spot_seconds.values())
+    assert CostTable.from_json(json.loads(cost_table_path(table.key).read_text())) == table
+
+
+def test_spot_check_times_real_verify_steps_at_the_tables_context_twice_alike(tiny_target, random_drafter, one_thread):
     table = measure_costs(tiny_target, random_drafter, context=16, repeats=1, target_tokens=(1, 16), draft_widths=(2,))
     for _ in range(2):
         seconds = spot_check(tiny_target, random_drafter, table, repeats=2)

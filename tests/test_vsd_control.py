@@ -1,5 +1,6 @@
-"""benchmarks/vsd_control.py: the language, the metrics against direct computations, the bootstrap, and the
-whole pipeline (target, mmvsd's trainer for three arms, evaluation, resumption) at toy sizes."""
+"""benchmarks/vsd_control.py: the metrics against direct computations, the bootstrap summary, and the whole
+pipeline (target, mmvsd's trainer for three arms, evaluation, resumption) at toy sizes (its language and target:
+test_control_world.py)."""
 
 from __future__ import annotations
 

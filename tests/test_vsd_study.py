@@ -1,4 +1,5 @@
-"""benchmarks/vsd_study.py: the bootstrap statistics on data with known answers, arm parsing, tables."""
+"""benchmarks/vsd_study.py: arm parsing, tables and the decision, training runs and their resumption, cached
+evaluations (the statistics: test_study_stats.py)."""
 
 from __future__ import annotations
 
@@ -293,7 +294,7 @@ def test_a_run_trained_in_chunks_resumes_to_the_uninterrupted_weights(study, tmp
 
 def test_the_chain_metrics_counts_are_the_evaluators_sums(study, tiny_target, random_drafter):
     """"chain" is the unbiased estimate, "forced" the teacher-forced product; their cache keys differ (the
-    product keeps the key it had as "accept"), as do those of the T = 1 tau."""
+    product's keeps the name "accept" it had), and a key changes with the prompts' tokens."""
     from mmvsd.training.acceptance import expected_acceptance
 
     gen = torch.Generator().manual_seed(3)

@@ -3,6 +3,7 @@ spot-checked on their first use in a process (measured again if this host runs t
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -66,7 +67,8 @@ def load_cost_table(
     progress: bool = True,
     context: int = 256,
 ) -> CostTable:
-    """The cost table of this machine for (target, drafter, batch sizes): cached, measured on first use."""
+    """The cost table of this machine for (target, drafter, batch sizes): cached, measured on first use, spot-checked
+    on its first use in a process (`drift`) and measured again when it no longer fits."""
     batch_sizes = tuple(sorted(set(batch_sizes)))
     key = cost_key(target, drafter, batch_sizes, context)
     path = cost_table_path(key)
@@ -83,6 +85,7 @@ def load_cost_table(
         print(f"mmvsd: measuring the costs of {target.name} on this machine (cached in {path})", file=sys.stderr,
               flush=True)
     table = measure_costs(target, drafter, batch_sizes, context=context, progress=progress)
+    table = dataclasses.replace(table, spot_seconds=spot_check(target, drafter, table))  # what later checks expect
     with atomic_file(path) as handle:
         json.dump(table.to_json(), handle, indent=1)
     _CHECKED.add(path)
@@ -90,11 +93,16 @@ def load_cost_table(
 
 
 def drift(table: CostTable, seconds_now: dict[int, float]) -> str | None:
-    """Why `table` no longer describes this machine, or None: a verify step timed now (tokens -> seconds, at
-    the table's smallest batch) more than DRIFT_FACTOR times slower or faster than the table says."""
+    """Why `table` no longer describes this machine, or None: every verify step timed now (tokens -> seconds, at
+    the table's smallest batch) more than DRIFT_FACTOR times slower, or every one faster, than its reference
+    (`spot_seconds`, timed the same way when the table was measured; the table's own value for a table without).
+    One step off alone is noise; a host of another speed, or a machine loaded since, moves them all."""
+    if not seconds_now:
+        return None
     batch = min(table.target_seconds)
-    for tokens, now in sorted(seconds_now.items()):
-        then = table.target_step(tokens, batch)
-        if not then / DRIFT_FACTOR <= now <= then * DRIFT_FACTOR:
-            return f"a verify step of {tokens} tokens takes {now * 1e3:.1f} ms now, {then * 1e3:.1f} ms in the profile"
-    return None
+    pairs = [(n, now, table.spot_seconds.get(n, table.target_step(n, batch))) for n, now in sorted(seconds_now.items())]
+    slower = all(now > then * DRIFT_FACTOR for _, now, then in pairs)
+    if not slower and not all(now * DRIFT_FACTOR < then for _, now, then in pairs):
+        return None
+    return "; ".join(f"a verify step over {n} token{'s' * (n != 1)} takes {now * 1e3:.1f} ms now, {then * 1e3:.1f} ms "
+                     "when profiled" for n, now, then in pairs)

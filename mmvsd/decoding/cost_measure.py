@@ -25,6 +25,8 @@ TARGET_TOKENS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 48, 64)
 DRAFT_WIDTHS = (1, 2, 4, 8, 10, 16)
 DRAFT_TOPK = 10  # children asked of every expanded node (the cost hardly depends on it)
 ACCEPTED_PAIRS = 3  # pairs the drafter is fed per step in the fixed-cost measurement (a typical tau)
+REPEATS = 7  # timed rounds per shape (after one warm-up round)
+SPOT_TOKENS = (1, 16)  # the verify steps `spot_check` times
 
 
 def typical(values: list[float]) -> float:
@@ -103,11 +105,12 @@ def measure_verify_steps(target: Target, cache: RaggedCache, need_aux: bool, tok
 
 
 @torch.no_grad()
-def spot_check(target: Target, drafter, table: CostTable, tokens: tuple[int, ...] = (1, 16),
-               repeats: int = 7) -> dict[int, float]:
-    """Typical seconds of a verify step over each of `tokens` now, at the table's context and smallest batch,
-    by the table's own statistic: whether a cached table still describes this machine (hosts with the same CPU
-    model and flags differ up to threefold in memory bandwidth)."""
+def spot_check(target: Target, drafter, table: CostTable, tokens: tuple[int, ...] = SPOT_TOKENS,
+               repeats: int = REPEATS) -> dict[int, float]:
+    """Typical seconds of a verify step over each of `tokens` now, at the table's context and smallest batch:
+    timed right after a table is measured (its `spot_seconds`) and again when a later process first uses it,
+    whether the cached table still describes this machine (hosts with the same CPU model and flags differ up to
+    threefold in memory bandwidth)."""
     need_aux = drafter is not None and drafter.reads_aux
     cache, _, _ = prefilled_cache(target, min(table.target_seconds), table.context, need_aux)
     return dict(zip(tokens, measure_verify_steps(target, cache, need_aux, tokens, repeats)))
@@ -165,7 +168,7 @@ def measure_costs(
     drafter=None,
     batch_sizes: tuple[int, ...] = (1,),
     context: int = 256,
-    repeats: int = 7,
+    repeats: int = REPEATS,
     target_tokens: tuple[int, ...] = TARGET_TOKENS,
     draft_widths: tuple[int, ...] = DRAFT_WIDTHS,
     progress: bool = False,

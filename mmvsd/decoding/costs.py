@@ -8,7 +8,7 @@ policy reads the `CostTable`; nothing here decides shapes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 METHOD_VERSION = "1"  # bump when the measurement changes meaning: older cache files are then ignored
 
@@ -24,6 +24,7 @@ class CostTable:
     draft_seconds: dict[int, tuple[float, ...]]  # batch -> seconds of one expand(...) call per width
     draft_fixed_seconds: dict[int, float]  # batch -> per-step advance + root_candidates (0 without drafter)
     context: int  # cache length the measurements used
+    spot_seconds: dict[int, float] = field(default_factory=dict)  # tokens -> `spot_check` right after measuring
 
     def target_step(self, num_nodes: int, batch: int = 1) -> float:
         """Seconds of one verify step over `num_nodes` tree tokens (piecewise linear in both)."""
@@ -48,6 +49,7 @@ class CostTable:
             "draft_widths": list(self.draft_widths),
             "draft_seconds": {str(b): list(s) for b, s in self.draft_seconds.items()},
             "draft_fixed_seconds": {str(b): s for b, s in self.draft_fixed_seconds.items()},
+            "spot_seconds": {str(n): s for n, s in self.spot_seconds.items()},
         }
 
     @classmethod
@@ -63,6 +65,7 @@ class CostTable:
             draft_seconds={int(b): tuple(float(x) for x in s) for b, s in data["draft_seconds"].items()},
             draft_fixed_seconds={int(b): float(s) for b, s in data["draft_fixed_seconds"].items()},
             context=int(data["context"]),
+            spot_seconds={int(n): float(s) for n, s in data.get("spot_seconds", {}).items()},  # none before 11-27
         )
         check_table(table)
         return table
@@ -79,6 +82,7 @@ def check_table(table: CostTable) -> None:
     curves = [(table.target_tokens, s) for s in table.target_seconds.values()]
     curves += [(table.draft_widths, s) for s in table.draft_seconds.values()]
     values = [v for _, s in curves for v in s] + list(table.draft_fixed_seconds.values())
+    values += list(table.spot_seconds.values())
     if any(len(xs) != len(s) for xs, s in curves) or not all(0 <= v < float("inf") for v in values):
         raise ValueError("a curve has the wrong length or a negative / non-finite value")
 
