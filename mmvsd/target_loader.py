@@ -154,6 +154,18 @@ def resolve_target_folder(spec: str) -> Path:
     raise UserError(f"unknown target {spec!r}: not a built-in name ({names}), a folder, a .gguf file or an HF id")
 
 
+def target_gguf_file(spec: str) -> Path | None:
+    """The GGUF file a target is read from (a built-in's shipped or joined file, or a `.gguf` path), None for a
+    target that is a folder or an HF id: what llama.cpp runs, and where a GGUF export copies the tokenizer from."""
+    builtin = builtin_targets().get(spec)
+    if builtin is not None:
+        if builtin.gguf_package:
+            return _packaged_file(builtin)
+        return _joined_gguf(builtin) if builtin.gguf_parts else None
+    path = Path(spec).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
 def _packaged_file(builtin: BuiltinTarget) -> Path:
     spec = importlib.util.find_spec(builtin.gguf_package)
     if spec is None or not spec.submodule_search_locations:
@@ -228,6 +240,7 @@ def _gguf_folder(gguf_path: Path, name: str) -> Path:
     stat = gguf_path.stat()
     folder = cache_root() / "targets" / f"{name}-{stat.st_size}-{int(stat.st_mtime)}"
     if (folder / "config.json").is_file():
+        portable_tokenizer_config(folder)  # folders converted before it was written portably
         return folder
     from transformers import AutoModelForCausalLM, AutoTokenizer  # auto classes load their registries: GGUF only
 
@@ -247,7 +260,24 @@ def _gguf_folder(gguf_path: Path, name: str) -> Path:
     with atomic_dir(folder) as tmp:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        portable_tokenizer_config(tmp)
     return folder
+
+
+PORTABLE_TOKENIZER_CLASS = "PreTrainedTokenizerFast"  # read by transformers 4 and 5 alike
+
+
+def portable_tokenizer_config(folder: Path) -> None:
+    """Name a tokenizer class that transformers 4 reads too: transformers 5 saves `TokenizersBackend`, which 4.x
+    (llama.cpp's converter pins 4.57) cannot load; both load a tokenizer.json as `PreTrainedTokenizerFast`."""
+    path = folder / "tokenizer_config.json"
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text())
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = PORTABLE_TOKENIZER_CLASS
+        with atomic_file(path) as handle:
+            handle.write(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def load_target_folder(folder: Path, name: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Target:

@@ -15,9 +15,10 @@ from conftest import PROMPT_POOL, make_tiny_llama, save_tiny_target
 from mmvsd.decoding.decode import DecodeConfig, speculative_generate
 from mmvsd.drafter_base import load_drafter
 from mmvsd.drafters.eagle3 import Eagle3Drafter
+from mmvsd.drafters.export_spec import run_export
 from mmvsd.errors import UserError
 from mmvsd.layouts.export import export_drafter
-from mmvsd.layouts.export_cli import add_export_parser, run_export
+from mmvsd.layouts.export_cli import add_export_parser
 from mmvsd.layouts.registry import LAYOUTS, layout
 from mmvsd.target import Target
 from mmvsd.training.config import TrainConfig

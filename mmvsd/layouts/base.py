@@ -43,13 +43,15 @@ class Layout:
 
     serving_note: ClassVar[str] = ""  # who reads this layout, said when a drafter cannot be exported to it
     detect_first: ClassVar[bool] = False  # `detect` relies on an unambiguous config.json marker
+    single_file: ClassVar[str] = ""  # the one file this layout writes into its folder ("": a folder of files)
 
     def export(self, drafter: Drafter, out_dir: Path) -> None:
         """Write `drafter` into the existing empty folder `out_dir`."""
         raise NotImplementedError
 
-    def export_for(self, drafter: Drafter, out_dir: Path, target: Target) -> None:
-        """Write `drafter`, made for `target`, into `out_dir` (layouts that record target facts override it)."""
+    def export_for(self, drafter: Drafter, out_dir: Path, target: Target, **options) -> None:
+        """Write `drafter`, made for `target`, into `out_dir` (layouts that record target facts override it);
+        `options` are a layout's own settings (gguf: `out_type`)."""
         self.export(drafter, out_dir)
 
     def load(self, path: Path, target: Target) -> Drafter:

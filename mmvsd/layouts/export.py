@@ -3,6 +3,9 @@ speculators, ...), atomically, refusing to overwrite what it should not."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from mmvsd.checkpoints import read_config
@@ -16,15 +19,20 @@ from mmvsd.target_loader import load_target
 
 def export_drafter(
     drafter_dir: str | Path, fmt: str, out_dir: str | Path, target_spec: str | None = None, *,
-    target: Target | None = None, force: bool = False,
+    target: Target | None = None, force: bool = False, out_type: str | None = None,
 ) -> Path:
-    """Write our drafter folder `drafter_dir` to `out_dir` in layout `fmt`, atomically; returns `out_dir`.
+    """Write our drafter folder `drafter_dir` to `out_dir` in layout `fmt`, atomically; returns what was written.
 
     The drafter is loaded for `target` (or the target `target_spec` names, default: the one its
-    config records), since some architectures borrow the target's embeddings.
+    config records), since some architectures borrow the target's embeddings. A single-file layout (`gguf`)
+    writes the file `out_dir` when it ends in that file's suffix, else `out_dir/<its file name>`; `out_type`
+    is its weights' type (`--outtype`).
     """
     drafter_dir, out_dir = Path(drafter_dir), Path(out_dir)
     chosen = layout(fmt)
+    if out_type and not chosen.single_file:
+        raise UserError(f"--outtype sets the weight type of a single-file layout (gguf); --format {fmt} keeps the "
+                        "drafter's own")
     config = read_config(drafter_dir)
     drafter_type = config.get("mmvsd_drafter_type")
     if not drafter_type:
@@ -34,19 +42,37 @@ def export_drafter(
         raise UserError(f"--format {fmt} holds {chosen.drafter_type!r} drafters{note}; {drafter_dir} is a "
                         f"{drafter_type!r} drafter, which it cannot represent (its own layouts: "
                         f"{', '.join(layouts_for(drafter_type))})")
-    check_export_target(drafter_dir, out_dir, force)
+    file_out = bool(chosen.single_file) and out_dir.suffix == Path(chosen.single_file).suffix
+    check_export_target(drafter_dir, out_dir, force, file_out)
     if target is None:
         target = _export_target(config, target_spec, drafter_dir)
     drafter = load_drafter(drafter_dir, target)
-    with atomic_dir(out_dir) as tmp:
-        chosen.export_for(drafter, tmp, target)
+    options = {"out_type": out_type} if out_type else {}
+    if not file_out:
+        with atomic_dir(out_dir) as tmp:
+            chosen.export_for(drafter, tmp, target, **options)
+        return out_dir
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:  # the file appears whole under its name, or not at all
+        chosen.export_for(drafter, tmp, target, **options)
+        os.replace(tmp / chosen.single_file, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 
-def check_export_target(drafter_dir: Path, out_dir: Path, force: bool) -> None:
-    """Refuse to replace the source folder, a file, or (without `force`) a non-empty folder."""
+def check_export_target(drafter_dir: Path, out_dir: Path, force: bool, file_out: bool = False) -> None:
+    """Refuse to replace the source folder, a file, or (without `force`) a non-empty folder; for a single-file
+    output, refuse a folder, or (without `force`) an existing file."""
     if out_dir.exists() and out_dir.resolve() == drafter_dir.resolve():
         raise UserError(f"output {out_dir} is the drafter folder itself; choose another output folder")
+    if file_out:
+        if out_dir.is_dir():
+            raise UserError(f"output {out_dir} is a folder; name the file to write, or a folder without its suffix")
+        if out_dir.exists() and not force:
+            raise UserError(f"output file {out_dir} exists; pass --force to replace it")
+        return
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"output {out_dir} exists and is not a folder")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
