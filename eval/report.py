@@ -28,6 +28,16 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 AVERAGE = "average"
+ENGINE_NOTES = {  # what the rows and ratios mean, per engine (`mmvsd bench --engine`)
+    "mmvsd": ("Engine: mmvsd's own loop. tau: kept new tokens / target forwards, bonus token counted. SR: throughput "
+              "ratio to mmvsd's own vanilla loop at the same batch size (SR vs HF / vs prompt lookup: to "
+              "transformers generate / prompt lookup, batch 1)."),
+    "llama.cpp": ("Engine: llama.cpp (llama-server, batch 1; wall time per request, prompt processing included). "
+                  "vanilla: its plain decoding; pld: its n-gram lookup (ngram-simple); assisted: draft-simple with "
+                  "the draft model; chain:X: drafter X's chains. SR: throughput ratio to llama.cpp's plain decoding; "
+                  "SR vs prompt lookup: to its n-gram lookup. drafts accepted: accepted / drafted tokens, as "
+                  "llama.cpp counts them."),
+}
 VANILLA_METHODS = ("vanilla", "vanilla@b1")
 
 
@@ -53,6 +63,7 @@ class Row:
     refused: str = ""  # why the method did not run here
     synthetic: bool = False  # an offline stand-in (average: some benchmark in it is)
     mixes_synthetic: bool = False  # average only: synthetic and real benchmarks together
+    draft_acceptance: float | None = None  # accepted / drafted tokens, for engines that count them (llama.cpp)
     accept_histogram: dict[int, int] = field(default_factory=dict)  # kept tokens per target forward
     tree_size_histogram: dict[int, int] = field(default_factory=dict)  # nodes verified per step
 
@@ -125,6 +136,9 @@ def _row(key: tuple[float, str, str], group: list) -> Row:
     forwards = sum(r.target_forwards for r in ran)
     if forwards > 0:
         row.tau = row.new_tokens / forwards
+    drafted = sum(getattr(r, "drafted", 0) for r in ran)
+    if drafted > 0:
+        row.draft_acceptance = sum(getattr(r, "draft_accepted", 0) for r in ran) / drafted
     scored = [r.correct for r in ran if r.correct is not None]
     if scored:
         row.accuracy = sum(scored) / len(scored)
@@ -163,6 +177,7 @@ def _averages(rows: list[Row], methods: list[str]) -> list[Row]:
             if row.flagged and row.unverified_sr is None:
                 row.unverified_sr = _mean([r.sr if r.sr is not None else r.unverified_sr for r in group])
             row.accuracy = _mean([r.accuracy for r in group])
+            row.draft_acceptance = _mean([r.draft_acceptance for r in group])
             row.accept_histogram = _sum_histograms(r.accept_histogram for r in group)
             row.tree_size_histogram = _sum_histograms(r.tree_size_histogram for r in group)
             out.append(row)
@@ -196,7 +211,7 @@ def benchmark_label(rows: list[Row], benchmark: str) -> str:
     return f"{benchmark} (synthetic)" if row.synthetic else benchmark
 
 
-def markdown_table(rows: list[Row], methods: list[str]) -> str:
+def markdown_table(rows: list[Row], methods: list[str], engine: str = "mmvsd") -> str:
     """The paper's layout: methods as rows, benchmarks x {SR, tau} as columns, one block per temperature."""
     benchmarks = [b for b in dict.fromkeys(r.benchmark for r in rows) if b != AVERAGE] + [AVERAGE]
     shown = sorted({r.method for r in rows}, key=lambda m: _order(methods, m))
@@ -213,17 +228,16 @@ def markdown_table(rows: list[Row], methods: list[str]) -> str:
                       for b in benchmarks]
             lines.append(f"| {method} | " + " | ".join(f"{sr} | {tau}" for sr, tau in values) + " |")
         lines.append("")
-        lines += [("| Method | benchmark | batch | tokens/s | SR vs HF | SR vs prompt lookup | accuracy "
-                   "| T=0 mismatches | note |"), "|---|---|---|---|---|---|---|---|---|"]
+        lines += [("| Method | benchmark | batch | tokens/s | SR vs HF | SR vs prompt lookup | drafts accepted "
+                   "| accuracy | T=0 mismatches | note |"), "|---|---|---|---|---|---|---|---|---|---|"]
         for r in block:
             lines.append(f"| {r.method} | {benchmark_label(block, r.benchmark)} | {r.batch_size} | "
                          f"{r.tokens_per_second:.1f} | {_fmt(r.sr_vs_hf)} | {_fmt(r.sr_vs_pld)} | "
-                         f"{_fmt(r.accuracy, 3)} "
+                         f"{_fmt(r.draft_acceptance)} | {_fmt(r.accuracy, 3)} "
                          f"| {'-' if r.lossless_mismatches is None else r.lossless_mismatches} | {_note(r)} |")
         lines.append("")
-    lines.append("tau: kept new tokens / target forwards, bonus token counted. Throughput: total new tokens / total "
-                 "batch wall time. SR: throughput ratio to mmvsd's own vanilla loop at the same batch size (SR vs "
-                 "HF / vs prompt lookup: to transformers generate / prompt lookup, batch 1). ≠: the output differs "
+    lines.append(ENGINE_NOTES.get(engine, ENGINE_NOTES["mmvsd"]))
+    lines.append("Throughput: total new tokens / total batch wall time. ≠: the output differs "
                  "from vanilla at T=0, so the ratio in brackets is not a speed-up of the same output. refused: the "
                  "method cannot run there (see note). synthetic: mmvsd's offline stand-in for a real task. "
                  "Average: mean over benchmarks.")
@@ -272,7 +286,7 @@ def write_reports(out_dir: Path, config: dict, records: list, methods: list[str]
         writer = csv.DictWriter(handle, fieldnames=names, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(asdict(r) for r in rows)
-    (out_dir / "table.md").write_text(markdown_table(rows, methods))
+    (out_dir / "table.md").write_text(markdown_table(rows, methods, config.get("engine", "mmvsd")))
     plot_results(rows, methods, out_dir)
     return rows
 
