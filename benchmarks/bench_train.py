@@ -26,7 +26,8 @@ from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.training.config import TrainConfig
 from mmvsd.training.dataset import draft_vocab_from_counts, load_examples, token_frequencies
 from mmvsd.training.features import capture_features, collate
-from mmvsd.training.objectives import ObjectiveConfig, make_objective
+from mmvsd.training.objectives import ObjectiveConfig
+from mmvsd.training.terms import make_objective
 from mmvsd.training.trainer import fp32_master_weights, load_training_target
 
 

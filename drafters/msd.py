@@ -48,6 +48,7 @@ class MSDDrafter(Eagle1Drafter):
     display_name = "MSD"
     default_max_images = 1  # MSD's released drafters and decoding code take one image per prompt
     media_curriculum = True
+    reads_media = True
 
     def target_input(
         self, features: Tensor, token_ids: Tensor, attention_mask: Tensor, cache: RaggedCache | None,

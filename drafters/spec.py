@@ -1,10 +1,14 @@
 """What `--drafter SPEC` names: none, random, ngram[:options], model:DRAFT_MODEL, default or a shipped drafter's
 name, or a drafter folder; a neural drafter or a draft model gets n-gram branches in its trees unless asked not
-to."""
+to. The non-neural kinds (none, ngram, model:) register here by prefix (`register_proposer_spec`), as neural
+architectures register in `mmvsd.drafter_base`; any other spec names a neural drafter."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mmvsd.decoding.engine import pack_for_cpu
 from mmvsd.drafter_base import Drafter, drafter_class, load_drafter
@@ -17,35 +21,57 @@ from mmvsd.shipped import resolve_drafter
 from mmvsd.target_loader import builtin_targets
 
 
+@dataclass(frozen=True)
+class ProposerSpec:
+    """A non-neural `--drafter` kind, named `PREFIX` or `PREFIX:OPTIONS`."""
+
+    prefix: str
+    build: Callable[[str, Any], Any]  # (the whole spec, the target) -> a proposer, or None (plain decoding)
+    ngram_branches: bool = False  # whether n-gram branches join its trees (`--ngram`, on by default)
+    check: Callable[[str], None] | None = None  # cheap validation before the target loads (UserError)
+    as_default: Callable[[str, Any], str] | None = None  # a target's `default` spec of this kind, as it runs there
+
+
+PROPOSER_SPECS: dict[str, ProposerSpec] = {}
+
+
+def register_proposer_spec(kind: ProposerSpec) -> ProposerSpec:
+    """Make `--drafter PREFIX[:OPTIONS]` build `kind`'s proposer."""
+    PROPOSER_SPECS[kind.prefix] = kind
+    return kind
+
+
+def proposer_spec(spec: str) -> ProposerSpec | None:
+    """The registered non-neural kind `spec` names (by the text before its first ':'), None for a neural drafter."""
+    return PROPOSER_SPECS.get(spec.partition(":")[0])
+
+
 def drafter_from_spec(spec: str, target, seed: int = 0, ngram: bool | None = None):
-    """What `--drafter` names: the n-gram (prompt-lookup) proposer for `ngram` or `ngram:key=value,...`, a draft
-    model for `model:NAME|DIR|FILE.gguf`, else `neural_drafter_from_spec`, with n-gram branches in its trees
-    unless `ngram` is False (None: on). Returns None (plain decoding), a `Drafter`, a `DraftModel`, an
-    `NgramDrafter` or a `HybridDrafter`."""
+    """What `--drafter` names: a registered non-neural kind's proposer (None for `none`: plain decoding), else
+    `neural_drafter_from_spec`; n-gram branches join a neural drafter's or a draft model's trees unless `ngram`
+    is False (None: on). Returns None, a `Drafter`, a `DraftModel`, an `NgramDrafter` or a `HybridDrafter`."""
     check_ngram_options(spec, ngram)
     builtin = builtin_targets().get(target.name)
     if spec == "default" and builtin is not None and builtin.default_drafter:
         spec = builtin.default_drafter  # e.g. qwen2.5-coder-1.5b drafts with qwen2.5-coder-0.5b on int8 weights
-        if spec.startswith(DRAFT_MODEL):
-            spec = runnable_default(spec, target)
-    if spec == "none" or spec.partition(":")[0] == "ngram":
-        return None if spec == "none" else NgramDrafter(parse_ngram_spec(spec))
-    if spec.startswith(DRAFT_MODEL):
-        drafter = load_draft_model(spec, target)
-    else:
-        drafter = neural_drafter_from_spec(spec, target, seed)
-    if ngram is False:
+        default_kind = proposer_spec(spec)
+        if default_kind is not None and default_kind.as_default is not None:
+            spec = default_kind.as_default(spec, target)
+    kind = proposer_spec(spec)
+    drafter = kind.build(spec, target) if kind is not None else neural_drafter_from_spec(spec, target, seed)
+    if drafter is None or ngram is False or (kind is not None and not kind.ngram_branches):
         return drafter
     return with_ngram(drafter)
 
 
 def check_ngram_options(spec: str, ngram: bool | None) -> None:
-    """UserError for n-gram settings that cannot apply to `--drafter spec` (cheap: call before loading)."""
-    if ngram and (spec == "none" or spec.partition(":")[0] == "ngram"):
+    """UserError for settings that cannot apply to `--drafter spec` (cheap: call before loading)."""
+    kind = proposer_spec(spec)
+    if ngram and kind is not None and not kind.ngram_branches:
         raise UserError(f"--ngram on adds n-gram branches to a neural drafter's trees, and --drafter {spec} "
                         f"is not one (--drafter ngram drafts with n-grams alone; drop --ngram on)")
-    if spec.partition(":")[0] == "ngram":
-        parse_ngram_spec(spec)
+    if kind is not None and kind.check is not None:
+        kind.check(spec)
 
 
 def neural_drafter_from_spec(spec: str, target, seed: int = 0) -> Drafter | None:
@@ -63,3 +89,16 @@ def neural_drafter_from_spec(spec: str, target, seed: int = 0) -> Drafter | None
     if target.engine != "stock":  # a CPU target on the exact engine: its bf16 drafter on the packed kernels too
         pack_for_cpu(drafter)
     return drafter
+
+
+def _no_options(spec: str) -> None:
+    """`--drafter none` takes no options."""
+    if spec != "none":
+        raise UserError(f"--drafter {spec}: 'none' (plain decoding) takes no options")
+
+
+register_proposer_spec(ProposerSpec("none", lambda spec, target: None, check=_no_options))
+register_proposer_spec(ProposerSpec("ngram", lambda spec, target: NgramDrafter(parse_ngram_spec(spec)),
+                                    check=parse_ngram_spec))
+register_proposer_spec(ProposerSpec(DRAFT_MODEL.rstrip(":"), load_draft_model, ngram_branches=True,
+                                    as_default=runnable_default))

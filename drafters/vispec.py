@@ -72,6 +72,7 @@ class ViSpecDrafter(Eagle1Drafter):
 
     config_class = ViSpecConfig
     display_name = "ViSpec"
+    reads_media = True
 
     def __init__(self, config: ViSpecConfig, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
         super().__init__(config, embed_tokens, lm_head)

@@ -25,6 +25,7 @@ import json
 import sys
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -39,8 +40,9 @@ from mmvsd.drafters.draft_model import load_draft_model
 from mmvsd.drafters.spec import drafter_from_spec
 from mmvsd.errors import UserError
 from mmvsd.eval.baselines import hf_generate
-from mmvsd.eval.bench_config import BenchConfig, tree_shape
+from mmvsd.eval.bench_config import BenchConfig
 from mmvsd.eval.bench_item import BenchItem
+from mmvsd.eval.bench_method import Method
 from mmvsd.eval.media_writer import MediaWriter
 from mmvsd.eval.report import write_reports
 from mmvsd.eval.suites import (
@@ -55,6 +57,7 @@ from mmvsd.placement import placement
 from mmvsd.shipped import default_drafter
 from mmvsd.target import Target
 from mmvsd.target_loader import load_target
+from mmvsd.tree_options import tree_shape
 
 RECORDS = "records.jsonl"
 PLD_TOKENS = 10
@@ -62,18 +65,6 @@ WARMUP_TOKENS = 16
 BATCH_ONE_VANILLA = "vanilla@b1"
 PLD_MEDIA_NOTE = ("refused on image prompts: transformers' prompt lookup re-embeds input_ids and drops the "
                   "image embeddings, so it would answer without the image")
-
-
-@dataclass
-class Method:
-    """A named way of generating: prompts (token ids) -> results."""
-
-    name: str
-    generate: Callable[[list[list[int]], DecodeConfig], list[SequenceResult]]
-    own_loop: bool  # counts target forwards (tau)
-    batch_one: bool = False  # decodes one prompt at a time (HF baselines, vanilla@b1)
-    media_refusal: str = ""  # non-empty: the method cannot take image prompts, and why
-    tree: str = "paper"  # the `--tree` entry it decodes with (tree rows; the others ignore it)
 
 
 def drafter_label(spec: str) -> str:
@@ -171,6 +162,8 @@ class Record:
     mismatch: dict | None = None  # T=0 check against vanilla failed: turn, position, target logit margin
     refused: str = ""  # non-empty: the method did not run on this item, and why
     synthetic: bool = False  # the benchmark is an offline stand-in (synthetic images), not the real task
+    drafted: int = 0  # draft tokens the engine proposed (llama.cpp reports them; mmvsd's loop counts forwards)
+    draft_accepted: int = 0  # of those, accepted
 
     def add(self, result: SequenceResult, own_loop: bool) -> None:
         self.output_ids.append(list(result.output_ids))
@@ -180,6 +173,8 @@ class Record:
             self.target_forwards += result.num_target_forwards
             self.accept_lengths += kept_lengths(result.accept_lengths, len(result.output_ids))
             self.tree_sizes += list(getattr(result, "tree_sizes", None) or [])
+        self.drafted += getattr(result, "num_drafted", 0)  # engines that count their drafts (llama.cpp)
+        self.draft_accepted += getattr(result, "num_draft_accepted", 0)
 
 
 def kept_lengths(accept_lengths: list[int], num_kept: int) -> list[int]:
@@ -335,9 +330,27 @@ def run_bench(config: BenchConfig, target: Target | None = None, resume: bool = 
     names = resolve_suite(config.suite)
     for note in filter(None, map(synthetic_note, names)):
         print(f"mmvsd: note: {note}", file=sys.stderr)
-    if target is None:
-        target = load_target(config.target_name(), *placement(config.device, config.dtype))
-    methods = sorted(build_methods(config, target), key=lambda m: m.name != "vanilla")
+    if target is None:  # another engine decodes: mmvsd's target only tokenizes and explains mismatches (fp32)
+        dtype = "fp32" if config.engine != "mmvsd" and config.dtype == "auto" else config.dtype
+        target = load_target(config.target_name(), *placement(config.device, dtype))
+    with ExitStack() as servers:  # the llama.cpp engine's servers stop here, on errors and Ctrl-C too
+        methods = sorted(engine_methods(config, target, servers), key=lambda m: m.name != "vanilla")
+        run_methods(config, target, methods, out_dir, progress)
+    return out_dir
+
+
+def engine_methods(config: BenchConfig, target: Target, servers: ExitStack) -> list[Method]:
+    """The rows of `config.engine`: mmvsd's own methods, or llama.cpp's (each a server `servers` stops)."""
+    if config.engine == "mmvsd":
+        return build_methods(config, target)
+    from mmvsd.eval.llamacpp_bench import llamacpp_methods  # the llama.cpp engine: loaded when chosen
+
+    return llamacpp_methods(config, target, servers)
+
+
+def run_methods(config: BenchConfig, target: Target, methods: list[Method], out_dir: Path, progress: bool) -> None:
+    """Decode every benchmark item not yet recorded with every method, then write the reports."""
+    names = resolve_suite(config.suite)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench_config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
     done = completed_keys(read_records(out_dir), methods)
@@ -359,4 +372,3 @@ def run_bench(config: BenchConfig, target: Target | None = None, resume: bool = 
     bar.close()
     placed = {"target_device": str(target.device), "target_dtype": str(target.dtype).removeprefix("torch.")}
     write_reports(out_dir, {**asdict(config), **placed}, read_records(out_dir), [m.name for m in methods])
-    return out_dir

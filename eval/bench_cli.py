@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from mmvsd.errors import UserError
-from mmvsd.eval.bench_config import METHODS, BenchConfig, fixed_tree_spec
+from mmvsd.eval.bench_config import ENGINES, METHODS, BenchConfig
 from mmvsd.placement import add_placement_arguments
+from mmvsd.tree_options import add_tree_arguments, tree_spec
 
 
 def _list(text: str) -> list[str]:
@@ -40,18 +40,16 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=defaults.limit, help="items per benchmark (0: all)")
     p.add_argument("--batch-size", type=int, default=defaults.batch_size)
     p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
-    p.add_argument("--tree", type=_list, default=None,
-                   help="draft tree shape(s), comma-separated, one tree row per drafter and shape: auto (default: "
-                        "planned per step from this machine's measured costs and the acceptance seen), paper (60/7/10 "
-                        "on text, 60/5/8 on image benchmarks) or BUDGET/DEPTH/TOPK")
-    p.add_argument("--tree-budget", type=int, default=None,
-                   help="fixed shape instead of --tree: draft tree nodes (default: 60, the paper's for text and image "
-                        "targets)")
-    p.add_argument("--tree-depth", type=int, default=None,
-                   help="draft tree depth (default: 7 on text benchmarks, 5 on image benchmarks, as the paper)")
-    p.add_argument("--tree-topk", type=int, default=None,
-                   help="children per node (default: 10 on text benchmarks, 8 on image benchmarks)")
+    add_tree_arguments(p, default="auto", many=True)
     p.add_argument("--assistant", default="", help="draft model with the target's tokenizer, for --methods assisted")
+    p.add_argument("--engine", choices=ENGINES, default=defaults.engine,
+                   help="where the methods decode: mmvsd's own loop, or llama.cpp (llama-server subprocesses on the "
+                        "target's GGUF file; methods vanilla, pld = its n-gram lookup, assisted, tree = a chain "
+                        "drafted by each --drafter; needs mmvsd[llamacpp])")
+    p.add_argument("--chain", default=defaults.chain,
+                   help="--engine llama.cpp: the drafted chain, N/PMIN (up to N tokens, stopping below draft "
+                        "probability PMIN), llama for llama.cpp's defaults, or auto: planned per drafter from "
+                        "llama.cpp's measured step costs and the drafter's chains on held-out prompts")
     p.add_argument("--adapter", default="", help="modality adapter for image prompts (default: the first that fits)")
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--out", default=defaults.out, help="results folder")
@@ -61,17 +59,13 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_bench_command(args: argparse.Namespace) -> None:
-    tree = (args.tree_budget, args.tree_depth, args.tree_topk)
-    if any(value is not None and value < 1 for value in tree):
-        raise UserError("--tree-budget, --tree-depth and --tree-topk must be >= 1")
-    fixed = fixed_tree_spec(*tree)
-    if args.tree is not None and fixed is not None:
-        raise UserError("--tree and --tree-budget/--tree-depth/--tree-topk are two ways to say one thing: give one")
-    trees = [fixed] if fixed is not None else (args.tree or BenchConfig().trees)
+    parts = (args.tree_budget, args.tree_depth, args.tree_topk)
+    trees = [tree_spec(spec, *parts, default=args.tree_default) for spec in args.tree or [None]]
     config = BenchConfig(suite=args.suite, target=args.target, drafters=args.drafter, methods=args.methods,
                          temperatures=args.temperature, limit=args.limit, batch_size=args.batch_size,
                          max_new_tokens=args.max_new_tokens, trees=trees, assistant=args.assistant,
-                         adapter=args.adapter, seed=args.seed, out=args.out, device=args.device, dtype=args.dtype)
+                         adapter=args.adapter, seed=args.seed, out=args.out, device=args.device, dtype=args.dtype,
+                         engine=args.engine, chain=args.chain)
     from mmvsd.eval.bench import run_bench  # CLI start-up: torch and the decoders only when a bench runs
 
     out = run_bench(config, resume=args.resume, progress=not args.no_progress)

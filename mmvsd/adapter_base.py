@@ -56,6 +56,11 @@ class Expansion:
         return max((i + 1 for i, flag in enumerate(self.is_media) if flag), default=0)
 
 
+def has_media(prompts) -> bool:
+    """Whether any of these prompts (`Prompt`s or plain token-id lists) carries media embeddings."""
+    return any(isinstance(p, Prompt) and p.inputs_embeds is not None for p in prompts)
+
+
 def padded_embeds(target, prompts: list[Prompt], ids: Tensor) -> Tensor | None:
     """[B, T, H] the target's input embeddings of padded ids [B, T], with each prompt's media embeddings in
     place; None when no prompt carries media (the target then embeds the ids itself)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -12,9 +13,11 @@ from pathlib import Path
 from mmvsd.errors import UserError
 from mmvsd.eval.bench_cli import add_bench_parser, run_bench_command
 from mmvsd.files import atomic_file
-from mmvsd.layouts.export_cli import add_export_parser, run_export
+from mmvsd.layouts.export_cli import add_export_parser
 from mmvsd.placement import add_device_argument, add_placement_arguments, half_precision_warning, placement
 from mmvsd.prompts import read_prompt_file
+from mmvsd.training.terms import TERMS, objective_help
+from mmvsd.tree_options import add_tree_arguments, tree_for_prompts, tree_spec_from_args
 
 
 def _positive_int(text: str) -> int:
@@ -33,38 +36,6 @@ def _on_off(text: str) -> bool:
 def add_ngram_argument(p: argparse.ArgumentParser, help_text: str) -> None:
     """`--ngram on|off`, read as True / False (None when not given: the drafter spec's default)."""
     p.add_argument("--ngram", type=_on_off, metavar="on|off", help=help_text)
-
-
-def add_tree_arguments(p: argparse.ArgumentParser, default: str) -> None:
-    """`--tree auto|BUDGET/DEPTH/TOPK` and the older `--tree-budget/--tree-depth/--tree-topk` (a fixed shape;
-    unset parts take 60/7/10)."""
-    p.add_argument("--tree", help=f"draft tree shape: 'auto' (planned per step from this machine's measured costs "
-                                  f"and the drafter's acceptance) or BUDGET/DEPTH/TOPK, e.g. 60/7/10 "
-                                  f"(default {default})")
-    p.add_argument("--tree-budget", type=_positive_int, help="fixed shape: tree nodes per verification, root included")
-    p.add_argument("--tree-depth", type=_positive_int, help="fixed shape: maximum depth")
-    p.add_argument("--tree-topk", type=_positive_int, help="fixed shape: children per expanded node")
-    p.set_defaults(tree_default=default)
-
-
-def tree_from_args(args: argparse.Namespace):
-    """The TreeShape or "auto" the tree flags name (UserError on a malformed or contradictory one)."""
-    from mmvsd.decoding.tree import TreeShape  # CLI start-up: loaded per command
-
-    parts = (args.tree_budget, args.tree_depth, args.tree_topk)
-    if args.tree is not None and any(v is not None for v in parts):
-        raise UserError("--tree and --tree-budget/--tree-depth/--tree-topk are two ways to say one thing: give one")
-    if any(v is not None for v in parts):
-        default = TreeShape()
-        return TreeShape(*(v if v is not None else d
-                           for v, d in zip(parts, (default.budget, default.depth, default.topk))))
-    text = args.tree if args.tree is not None else args.tree_default
-    if text == "auto":
-        return "auto"
-    try:
-        return TreeShape.parse(text)
-    except ValueError as err:
-        raise UserError(f"--tree: {err}") from None
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -94,14 +65,15 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train a drafter (objectives: ce, vsd, accept, ...)",
+    p = sub.add_parser("train", help=f"train a drafter (objectives over the terms {', '.join(TERMS)})",
                        description="Train a drafter. Settings: defaults < --config YAML < flags < key=value.")
     p.add_argument("--target", help="built-in name, local folder, .gguf file or HF id")
     p.add_argument("--drafter", help="drafter architecture (default eagle3)")
     p.add_argument("--init", help="none (default) | a drafter folder | a released layout (eagle3) | LAYOUT:PATH")
-    p.add_argument("--objective",
-                   help="ce+accept (default) | ce | vsd | vsd-kl | ce+vsd | accept | vsd-rloo | ce+vsd-rloo")
-    p.add_argument("--data", help="sharegpt (default), sharegpt:PATH, llava-instruct:PATH or a JSON/JSONL file")
+    p.add_argument("--objective", help=objective_help())
+    p.add_argument("--data", help="auto (default: ShareGPT; for an image drafter on an image target ShareGPT + "
+                                  "LLaVA-Instruct), sharegpt, sharegpt:PATH, llava-instruct:PATH or a JSON/JSONL file; "
+                                  "SPEC+SPEC mixes them")
     p.add_argument("--output", help="output folder: becomes a drafter folder for `mmvsd generate --drafter`")
     p.add_argument("--config", help="YAML file of TrainConfig settings (see configs/)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output")
@@ -141,7 +113,7 @@ def _add_eval_drafter(sub: argparse._SubParsersAction) -> None:
                                                  "first registered one that fits the target)")
     p.add_argument("--limit", type=int, default=0, help="first N prompts (0: all)")
     p.add_argument("--max-new-tokens", type=_positive_int, default=256)
-    add_tree_arguments(p, default="60/7/10")
+    add_tree_arguments(p, default="paper")
     add_ngram_argument(p, "n-gram branches in the trees, as for generate")
     p.add_argument("--batch-size", type=_positive_int,
                    help="prompts replayed together (default 8; 1 with n-gram branches, whose statistics a batch's "
@@ -256,7 +228,8 @@ def run_generate(args: argparse.Namespace) -> None:
     missing = [path for path in args.image if not os.path.isfile(path)]
     if missing:
         raise UserError(f"image file not found: {missing[0]}")
-    config = DecodeConfig(args.max_new_tokens, args.temperature, tree_from_args(args), args.seed)
+    config = DecodeConfig(args.max_new_tokens, args.temperature, seed=args.seed)  # checked before anything loads
+    tree = tree_spec_from_args(args)  # likewise; resolved for the prompts' kind once they are encoded
     args.drafter = args.drafter or implicit_drafter_spec(args.target)
     check_ngram_options(args.drafter, args.ngram)
     target = load_target(args.target, *placement(args.device, args.dtype))
@@ -266,6 +239,7 @@ def run_generate(args: argparse.Namespace) -> None:
         print(warning, file=sys.stderr)
     torch.manual_seed(args.seed)
     prompts = _encode_prompts(target, texts, args)
+    config = dataclasses.replace(config, tree=tree_for_prompts(tree, prompts))
     records = []
     stats = AcceptanceStats()  # what `--tree auto` learns of the drafter carries over from prompt to prompt
     for start in range(0, len(prompts), args.batch_size):
@@ -313,6 +287,7 @@ def _encode_prompts(target, texts: list[str], args: argparse.Namespace) -> list:
 
 def run_eval_drafter(args: argparse.Namespace) -> None:
     """`mmvsd eval-drafter`: greedy continuations (cached), then the replayed acceptance report."""
+    from mmvsd.decoding.decode import make_shape  # CLI start-up: loaded per command
     from mmvsd.decoding.tree import TreeShape  # CLI start-up: loaded per command
     from mmvsd.drafters.spec import drafter_from_spec  # CLI start-up: loaded per command
     from mmvsd.prompts import load_eval_prompts  # CLI start-up: loaded per command
@@ -320,19 +295,15 @@ def run_eval_drafter(args: argparse.Namespace) -> None:
     from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
     from mmvsd.training import acceptance  # CLI start-up: loaded per command
 
-    shape = tree_from_args(args)
+    tree = tree_spec_from_args(args)
     spec = args.drafter or implicit_drafter_spec(args.target)
     if spec == "none":
         raise UserError("--drafter none drafts nothing: there is no acceptance to measure")
     target = load_target(args.target, *placement(args.device, args.dtype))
     drafter = drafter_from_spec(spec, target, args.seed, ngram=args.ngram)
-    # the trees auto plans from this machine's costs; its speed guard's plain steps are not replayed
-    if shape == "auto":
-        from mmvsd.decoding.cost_cache import load_cost_table  # CLI start-up: loaded per command
-        from mmvsd.decoding.shape_policy import AcceptanceStats, AutoShape  # CLI start-up: loaded per command
-
-        shape = AutoShape(load_cost_table(target, drafter, batch_sizes=(1,)), AcceptanceStats())
     prompts = load_eval_prompts(target, args.prompt_file, args.limit, args.adapter)
+    # the trees auto plans from this machine's costs; its speed guard's plain steps are not replayed
+    shape = make_shape(tree_for_prompts(tree, prompts), target, drafter)
     acceptance.check_eval_prompts(target, prompts, args.max_new_tokens, shape)
     start = time.perf_counter()
     make = acceptance.greedy_continuations if args.no_cache else acceptance.cached_greedy_continuations
@@ -361,6 +332,13 @@ def run_adapters(args: argparse.Namespace) -> None:
 
     for name, source in registered_adapters().items():
         print(f"{name:<16} {source}")
+
+
+def run_export(args: argparse.Namespace) -> None:
+    """`mmvsd export`: what --drafter names, in the layout --format names."""
+    from mmvsd.drafters.export_spec import run_export as export  # CLI start-up: loaded per command
+
+    export(args)
 
 
 def run_profile(args: argparse.Namespace) -> None:

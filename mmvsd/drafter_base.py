@@ -56,6 +56,7 @@ class Drafter(nn.Module):
 
     drafter_type: ClassVar[str] = ""
     media_curriculum: ClassVar[bool] = False  # train text-only first, then more and more media samples
+    reads_media: ClassVar[bool] = False  # reads media embeddings (`PairMedia`): trains on data with media
     reads_aux: ClassVar[bool] = True  # whether `target_features` needs the auxiliary layers' hidden states
     proposes_from_context: ClassVar[bool] = False  # proposes from its draft vocabulary, never from the context
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 from test_objectives import setup, unrolled
 
-from mmvsd.training.objectives import ObjectiveConfig, accept_loss, acceptance, make_objective
+from mmvsd.training.objectives import ObjectiveConfig, accept_loss, acceptance
+from mmvsd.training.terms import make_objective
 
 
 def test_acceptance_is_the_probability_a_sampled_draft_passes():

@@ -15,10 +15,11 @@ from mmvsd.errors import UserError
 from mmvsd.eval import mllm_suite
 from mmvsd.eval.baselines import hf_generate
 from mmvsd.eval.bench import Method, Record, TreeGenerate, build_methods, drafter_label, kept_lengths, run_batch
-from mmvsd.eval.bench_config import BenchConfig, tree_shape
+from mmvsd.eval.bench_config import BenchConfig
 from mmvsd.eval.report import aggregate, markdown_table
 from mmvsd.eval.suites import load_items
 from mmvsd.target_loader import load_target
+from mmvsd.tree_options import tree_shape
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,8 @@ bits for other row counts is injected, and the bound 1 (every linear one row at 
 from __future__ import annotations
 
 import copy
+import json
+import logging
 
 import pytest
 import torch
@@ -210,3 +212,79 @@ def test_a_drafter_is_packed_for_speed_and_keeps_its_weights(random_drafter):
     packed = {name: m for name, m in drafter.named_modules() if isinstance(m, engine.RowChunkedLinear)}
     assert set(packed) == set(linears) and all(packed[n].weight is linears[n] for n in linears)
     assert torch.allclose(drafter.fc(x).float(), before.float(), atol=0.05)
+
+
+class InjectedSteps:
+    """Stands in for `engine._verify_ms`: the (1-token, 16-token) milliseconds of the target's precision now,
+    counting the timings taken per precision."""
+
+    def __init__(self, fp32_ms: tuple[float, float], bf16_ms: tuple[float, float]) -> None:
+        self.ms = {torch.float32: fp32_ms, torch.bfloat16: bf16_ms}
+        self.calls = {torch.float32: 0, torch.bfloat16: 0}
+
+    def __call__(self, target: Target, repeats: int = 7) -> tuple[float, float]:
+        self.calls[target.dtype] += 1
+        return self.ms[target.dtype]
+
+
+@pytest.fixture()
+def injected(monkeypatch, tmp_path) -> InjectedSteps:
+    """Choices measured from injected timings (exact bound 32) into a cache of this test's own."""
+    monkeypatch.setenv("MMVSD_CACHE", str(tmp_path))
+    steps = InjectedSteps((10.0, 20.0), (9.0, 11.0))
+    monkeypatch.setattr(engine, "_verify_ms", steps)
+    monkeypatch.setattr(engine, "measure_exact_rows", lambda target: 32)
+    monkeypatch.setattr(engine, "_measure_choice", MEASURE_CHOICE)  # conftest's stand-in keeps tests on fp32
+    return steps
+
+
+def as_a_later_process(monkeypatch) -> None:
+    """What a later process finds: the cached choice, not yet spot-checked in this process."""
+    monkeypatch.setattr(engine.cost_cache, "_CHECKED", set())
+
+
+@pytest.mark.parametrize("fp32_now, bf16_now, measured_again", [
+    ((10.0, 20.0), (9.0, 11.0), False),  # as when chosen
+    ((13.0, 26.0), (11.7, 14.3), False),  # 1.3x slower everywhere: inside the factor
+    ((30.0, 20.0), (9.0, 11.0), False),  # one timing off alone: noise
+    ((30.0, 6.0), (9.0, 11.0), False),  # off in opposite directions
+    ((30.0, 60.0), (9.0, 11.0), True),  # fp32 3x slower at both sizes
+    ((10.0, 20.0), (3.0, 4.0), True),  # bf16 faster at both sizes
+])
+def test_a_cached_choice_is_spot_checked_once_per_process_by_the_profiles_rule(monkeypatch, injected, caplog, fp32_now,
+                                                                                bf16_now, measured_again):
+    fp32 = Target(make_tiny_llama(seed=11), None, "tiny-spot")
+    assert engine.choose_cpu_engine(fp32, progress=False).dtype == torch.bfloat16  # measured: 9/11 beats 10/20
+    assert injected.calls == {torch.float32: 1, torch.bfloat16: 1}
+    as_a_later_process(monkeypatch)
+    injected.ms = {torch.float32: fp32_now, torch.bfloat16: bf16_now}
+    with caplog.at_level(logging.WARNING):
+        engine.choose_cpu_engine(fp32, progress=False)
+        engine.choose_cpu_engine(fp32, progress=False)  # checked already in this process
+    timed = 2 if measured_again else 1  # the spot check, then the new measurement
+    assert injected.calls == {torch.float32: 1 + timed, torch.bfloat16: 1 + timed}
+    assert ("no longer fits this machine" in caplog.text) == measured_again
+    written = json.loads(engine.engine_path(engine._key(fp32, "cpu_engine")).read_text())
+    assert tuple(written["fp32_ms"]) == (fp32_now if measured_again else (10.0, 20.0))  # the new reference
+
+
+def test_a_drifted_choice_is_measured_again_and_may_flip_either_way(monkeypatch, injected):
+    fp32 = Target(make_tiny_llama(seed=12), None, "tiny-flip")
+    assert engine.choose_cpu_engine(fp32, progress=False).dtype == torch.bfloat16
+    as_a_later_process(monkeypatch)
+    injected.ms[torch.bfloat16] = (30.0, 40.0)  # this host's bf16 is now 3x slower: fp32 wins
+    assert engine.choose_cpu_engine(fp32, progress=False) is fp32
+    as_a_later_process(monkeypatch)
+    injected.ms[torch.float32] = (100.0, 200.0)  # and later fp32 10x slower (bf16 unchanged): bf16 wins again
+    chosen = engine.choose_cpu_engine(fp32, progress=False)
+    assert chosen.dtype == torch.bfloat16 and chosen.engine.startswith(f"exact{engine.ENGINE_VERSION}-rows32")
+    assert injected.calls == {torch.float32: 5, torch.bfloat16: 5}  # measured, checked+measured, checked+measured
+
+
+def test_a_choice_without_exact_bf16_spot_checks_fp32_alone(monkeypatch, injected):
+    monkeypatch.setattr(engine, "measure_exact_rows", lambda target: 2)  # bf16 not exact here: no bf16 timings
+    fp32 = Target(make_tiny_llama(seed=13), None, "tiny-fp32")
+    assert engine.choose_cpu_engine(fp32, progress=False) is fp32
+    as_a_later_process(monkeypatch)
+    assert engine.choose_cpu_engine(fp32, progress=False) is fp32
+    assert injected.calls == {torch.float32: 2, torch.bfloat16: 0}

@@ -10,7 +10,8 @@ from mmvsd.cli import main
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.errors import UserError
 from mmvsd.training.features import TokenBatch, capture_features
-from mmvsd.training.objectives import ObjectiveConfig, ce_loss, make_objective, topk_kl_loss, vsd_loss
+from mmvsd.training.objectives import ObjectiveConfig, ce_loss, topk_kl_loss, vsd_loss
+from mmvsd.training.terms import check_objective, make_objective
 from mmvsd.training.unroll import unroll_draft_steps
 
 VOCAB = 128
@@ -204,11 +205,11 @@ def test_bad_loss_settings_are_one_clear_error_exit_2(tmp_path, capsys, case):
 
 
 def test_validate_rejects_weights_that_train_nothing_only_for_the_terms_used():
-    ObjectiveConfig(ce_weight=0.0, vsd_weight=0.0).validate("vsd")  # vsd alone does not read them
-    ObjectiveConfig(kl_alpha=0.0).validate("vsd-kl")  # vsd still trains
-    ObjectiveConfig(ce_weight=0.0).validate("ce+vsd")  # the vsd ablation through ce+vsd
+    check_objective("vsd", ObjectiveConfig(ce_weight=0.0, vsd_weight=0.0))  # vsd alone does not read them
+    check_objective("vsd-kl", ObjectiveConfig(kl_alpha=0.0))  # vsd still trains
+    check_objective("ce+vsd", ObjectiveConfig(ce_weight=0.0))  # the vsd ablation through ce+vsd
     with pytest.raises(UserError, match="trains nothing"):
-        ObjectiveConfig(ce_weight=0.0, vsd_weight=0.0).validate("ce+vsd")
+        check_objective("ce+vsd", ObjectiveConfig(ce_weight=0.0, vsd_weight=0.0))
     with pytest.raises(UserError, match="unknown objective"):
         make_objective("vsd+kl", ObjectiveConfig())
     with pytest.raises(UserError, match="car_normalisation"):

@@ -1,5 +1,6 @@
 """`mmvsd train --dry-run` for the full-size LLaVA-1.5 targets (meta device, offline), `--init vispec` for
-LLaVA-1.5-13B from ViSpec's LLaVA-1.6-Vicuna-13B release, and the image root of LLaVA-Instruct data."""
+LLaVA-1.5-13B from ViSpec's LLaVA-1.6-Vicuna-13B release, the image root of LLaVA-Instruct data, and what
+`data=auto` means for an image drafter (the LLaVA mixture, or one message saying what to download)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from mmvsd.drafters import eagle1_layout
 from mmvsd.errors import UserError
 from mmvsd.layouts.registry import layout
 from mmvsd.training.plan import DDP_BYTES, GB, image_tokens_per_image, meta_target
+
+HEADLINE = ["train", "--target", "llava-1.5-13b", "--init", "vispec", "--dry-run"]  # the design card's command
 
 # LLaVA-1.5-13B as llava-hf publishes it (Vicuna-13B v1.5 + CLIP ViT-L/14 at 336 px), written out here
 VICUNA_13B = dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40,
@@ -38,7 +41,23 @@ def vispec_13b_trainable(num_q: int = 2) -> int:
     return eagle1 + adaptor
 
 
-def test_the_headline_command_plans_offline(tmp_path, capsys):
+def write_llava_instruct(path, image: str) -> None:
+    path.write_text(json.dumps([{"id": "1", "image": image, "conversations": [
+        {"from": "human", "value": "<image>\nWhat is this?"}, {"from": "gpt", "value": "A cat on a mat."}]}]))
+
+
+@pytest.fixture
+def llava_mixture(tmp_path, monkeypatch):
+    """LLaVA-Instruct (one record) and its COCO image where data=auto looks: the mmvsd cache's datasets/ folder."""
+    monkeypatch.setenv("MMVSD_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "cache" / "datasets"
+    (folder / "coco" / "train2017").mkdir(parents=True)
+    write_llava_instruct(folder / "llava_instruct_150k.json", "000000033471.jpg")
+    (folder / "coco" / "train2017" / "000000033471.jpg").write_bytes(b"jpeg")
+    return folder
+
+
+def test_the_headline_command_plans_offline(tmp_path, capsys, llava_mixture):
     out = tmp_path / "OUT"
     argv = ["train", "--target", "llava-1.5-13b", "--init", "vispec", "--drafter", "vispec", "--config",
             "llava_vispec_paper", "--output", str(out), "--dry-run", "--gpus", "8"]
@@ -62,18 +81,57 @@ def test_the_headline_command_plans_offline(tmp_path, capsys):
     assert "--dry-run" not in run and "--gpus" not in run
 
 
-def test_the_issue_s_exact_command_plans_a_vispec_drafter(tmp_path, capsys):
+def test_the_issue_s_exact_command_plans_a_vispec_drafter(tmp_path, capsys, llava_mixture):
     """`--init vispec` with no --drafter trains the architecture the layout holds."""
     out = tmp_path / "OUT"
     assert main(["train", "--target", "llava-1.5-13b", "--init", "vispec", "--dry-run", "--output", str(out)]) == 0
     text = capsys.readouterr().out
     assert "drafter  vispec: 500.7 M trainable parameters" in text and not out.exists()
+    assert f"data=auto: sharegpt+llava-instruct:{llava_mixture / 'llava_instruct_150k.json'}" in text
+    assert "1 conversations, 1 with an image, images under" in text and "warning" not in text
     assert main(["train", "--target", "llava-1.5-13b", "--init", "msd", "--drafter", "msd", "--dry-run", "--output",
                  str(out)]) == 0
     assert "lucylyn/MSD-LLaVA1.5-13B" in capsys.readouterr().out
 
 
-def test_the_7b_plan_and_bad_input(tmp_path, capsys):
+@pytest.mark.parametrize("config", [[], ["--config", "llava_vispec_paper"]])
+def test_the_headline_command_without_the_llava_mixture_is_one_message(tmp_path, capsys, monkeypatch, config):
+    """An image drafter for an image target never plans text alone: without LLaVA-Instruct and the COCO images
+    where data=auto looks, the dry-run stops with one message saying what to download, where, and what to set."""
+    monkeypatch.setenv("MMVSD_CACHE", str(tmp_path / "cache"))
+    datasets = tmp_path / "cache" / "datasets"
+    out = tmp_path / "OUT"
+    assert main([*HEADLINE, *config, "--output", str(out)]) == 2
+    out_text, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and not out_text
+    assert lines[0].startswith("mmvsd: error: a vispec drafter for the image target llava-1.5-13b")
+    for needed in (f"llava_instruct_150k.json (not at {datasets / 'llava_instruct_150k.json'})",
+                   f"no folder {datasets / 'coco' / 'train2017'}", "download liuhaotian/LLaVA-Instruct-150K",
+                   "images.cocodataset.org/zips/train2017.zip",
+                   "data=sharegpt+llava-instruct:DIR/llava_instruct_150k.json", "image_root=DIR/train2017"):
+        assert needed in lines[0], needed
+    assert not out.exists()
+    datasets.mkdir(parents=True)
+    write_llava_instruct(datasets / "llava_instruct_150k.json", "1.jpg")  # the JSON there, the images not
+    assert main([*HEADLINE, *config, "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "the COCO train2017 images" in err and "LLaVA-Instruct-150K's" not in err
+
+
+def test_an_image_drafter_on_text_alone_is_said(tmp_path, capsys):
+    """Data without images, named explicitly, plans a warning line; a text drafter on the same target plans none,
+    and data=auto for it is the bundled ShareGPT (no LLaVA data needed)."""
+    text = tmp_path / "chat.json"
+    text.write_text(json.dumps([{"id": "1", "conversations": [{"from": "human", "value": "Hi"},
+                                                              {"from": "gpt", "value": "Hello there."}]}]))
+    assert main([*HEADLINE, "--data", f"sharegpt:{text}", "--output", str(tmp_path / "o")]) == 0
+    plan = capsys.readouterr().out
+    assert "warning  a vispec drafter for the image target llava-1.5-13b trains on text alone here" in plan
+    assert "1 conversations, 0 with an image" in plan
+
+
+def test_the_7b_plan_and_bad_input(tmp_path, capsys, llava_mixture):
     assert main(["train", "--target", "llava-1.5-7b", "--drafter", "msd", "--output", str(tmp_path / "o"),
                  "--dry-run", "max_steps=10"]) == 0
     text = capsys.readouterr().out
@@ -93,7 +151,7 @@ def plan_activations(tmp_path, capsys, objective: str) -> tuple[float, float]:
     return float(re.search(r"activations ~([\d.]+)", line)[1]), float(paths[1]) if paths else 0.0
 
 
-def test_the_plan_adds_the_vsd_e_step_s_paths(tmp_path, capsys):
+def test_the_plan_adds_the_vsd_e_step_s_paths(tmp_path, capsys, llava_mixture):
     """The E-step term from the paper recipe's shapes, written out: the drafter's pass kept for backward (its layer
     over 8 x 864 positions, then 7 depths of 4 anchors x (40 proposals + 40 corrections + z_bar) per row) and the
     13B target's scoring block (4 x 40 x 6 trie nodes per row: KV of 40 layers x 5120, fp32 log-probs over
@@ -149,11 +207,6 @@ def test_vispec_16_13b_release_loads_for_the_full_size_llava_15_13b(monkeypatch,
     release.update(config=released_13b_config(4096, 11008, 32), state=released_13b_state(4096, 11008, 32))
     with pytest.raises(UserError, match="hidden size 4096 != target's 5120"), torch.device("meta"):
         layout("vispec").load(tmp_path, target)
-
-
-def write_llava_instruct(path, image: str) -> None:
-    path.write_text(json.dumps([{"id": "1", "image": image, "conversations": [
-        {"from": "human", "value": "<image>\nWhat is this?"}, {"from": "gpt", "value": "A cat on a mat."}]}]))
 
 
 def test_image_root_and_missing_images_are_clear_errors(tmp_path, capsys):

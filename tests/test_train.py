@@ -128,9 +128,9 @@ def test_interrupted_checkpoint_write_keeps_the_previous_one(setup, tmp_path, ca
 
 def test_non_finite_losses_are_skipped_then_stop_the_run(setup, tmp_path, capsys, monkeypatch):
     target, data = setup
-    from mmvsd.training import objectives
+    from mmvsd.training import terms
 
-    real = objectives.make_objective
+    real = terms.make_objective
     calls = {"n": 0}
 
     def sometimes_nan(name, config):

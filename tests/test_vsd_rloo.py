@@ -11,7 +11,8 @@ from test_accept_objective import expected_accepted_length, fit, two_context_tar
 from test_objectives import setup
 
 from mmvsd.training.estep import sample_proposals
-from mmvsd.training.objectives import ObjectiveConfig, make_objective
+from mmvsd.training.objectives import ObjectiveConfig
+from mmvsd.training.terms import make_objective
 from mmvsd.training.vsd import (
     car_weights,
     leave_one_out_acceptance,

@@ -1,5 +1,6 @@
 """Cost tables cached per key under the mmvsd cache: measured once per machine, target, dtype and drafter, and
-spot-checked on their first use in a process (measured again if this host runs the same CPU at another speed)."""
+spot-checked on their first use in a process (measured again if this host runs the same CPU at another speed).
+The spot-check rules (`timings_drift`, once per process) also serve `--dtype auto`'s cached choice (`engine.py`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,16 @@ logger = logging.getLogger(__name__)
 
 DRIFT_FACTOR = 1.5  # a cached table is measured again when a spot-checked step is this many times off
 _CHECKED: set[Path] = set()  # cache files spot-checked (or written) by this process
+
+
+def checked_in_this_process(path: Path) -> bool:
+    """Whether the cache file `path` was spot-checked (or written) by this process already."""
+    return path in _CHECKED
+
+
+def mark_checked(path: Path) -> None:
+    """Remember that this process spot-checked (or wrote) `path`: it is not checked again."""
+    _CHECKED.add(path)
 
 
 def profiles_dir() -> Path:
@@ -73,13 +84,13 @@ def load_cost_table(
     key = cost_key(target, drafter, batch_sizes, context)
     path = cost_table_path(key)
     table = None if refresh else _read_cached(path, key)
-    if table is not None and path not in _CHECKED:  # once per process: decoding loads the table every call
+    if table is not None and not checked_in_this_process(path):  # once per process: decoding loads it every call
         why = drift(table, spot_check(target, drafter, table))
         if why is not None:
             logger.warning("mmvsd: cost profile %s no longer fits this machine (%s); measuring again", path, why)
             table = None
     if table is not None:
-        _CHECKED.add(path)
+        mark_checked(path)
         return table
     if progress:
         print(f"mmvsd: measuring the costs of {target.name} on this machine (cached in {path})", file=sys.stderr,
@@ -88,21 +99,29 @@ def load_cost_table(
     table = dataclasses.replace(table, spot_seconds=spot_check(target, drafter, table))  # what later checks expect
     with atomic_file(path) as handle:
         json.dump(table.to_json(), handle, indent=1)
-    _CHECKED.add(path)
+    mark_checked(path)
     return table
 
 
 def drift(table: CostTable, seconds_now: dict[int, float]) -> str | None:
-    """Why `table` no longer describes this machine, or None: every verify step timed now (tokens -> seconds, at
-    the table's smallest batch) more than DRIFT_FACTOR times slower, or every one faster, than its reference
-    (`spot_seconds`, timed the same way when the table was measured; the table's own value for a table without).
-    One step off alone is noise; a host of another speed, or a machine loaded since, moves them all."""
+    """Why `table` no longer describes this machine, or None (`timings_drift`): verify steps timed now (tokens ->
+    seconds, at the table's smallest batch) against its reference (`spot_seconds`, timed the same way when the
+    table was measured; the table's own value for a table without)."""
+    batch = min(table.target_seconds)
+    then = {n: table.spot_seconds.get(n, table.target_step(n, batch)) for n in seconds_now}
+    return timings_drift(seconds_now, then)
+
+
+def timings_drift(seconds_now: dict[int, float], seconds_then: dict[int, float], step: str = "a verify step",
+                  when: str = "profiled") -> str | None:
+    """Why timings stored `then` (tokens -> seconds) no longer describe this machine, or None: every step timed now
+    more than DRIFT_FACTOR times slower, or every one faster, than then. One step off alone is noise; a host of
+    another speed, or a machine loaded since, moves them all."""
     if not seconds_now:
         return None
-    batch = min(table.target_seconds)
-    pairs = [(n, now, table.spot_seconds.get(n, table.target_step(n, batch))) for n, now in sorted(seconds_now.items())]
+    pairs = [(n, now, seconds_then[n]) for n, now in sorted(seconds_now.items())]
     slower = all(now > then * DRIFT_FACTOR for _, now, then in pairs)
     if not slower and not all(now * DRIFT_FACTOR < then for _, now, then in pairs):
         return None
-    return "; ".join(f"a verify step over {n} token{'s' * (n != 1)} takes {now * 1e3:.1f} ms now, {then * 1e3:.1f} ms "
-                     "when profiled" for n, now, then in pairs)
+    return "; ".join(f"{step} over {n} token{'s' * (n != 1)} takes {now * 1e3:.1f} ms now, {then * 1e3:.1f} ms "
+                     f"when {when}" for n, now, then in pairs)

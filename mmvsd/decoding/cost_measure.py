@@ -112,7 +112,14 @@ def spot_check(target: Target, drafter, table: CostTable, tokens: tuple[int, ...
     whether the cached table still describes this machine (hosts with the same CPU model and flags differ up to
     threefold in memory bandwidth)."""
     need_aux = drafter is not None and drafter.reads_aux
-    cache, _, _ = prefilled_cache(target, min(table.target_seconds), table.context, need_aux)
+    return verify_step_seconds(target, min(table.target_seconds), table.context, need_aux, tokens, repeats)
+
+
+def verify_step_seconds(target: Target, batch: int, context: int, need_aux: bool,
+                        tokens: tuple[int, ...] = SPOT_TOKENS, repeats: int = REPEATS) -> dict[int, float]:
+    """Typical seconds of a verify step over each of `tokens` on a fresh cache of `context` tokens per row: the
+    timing that spot checks repeat (of a cost table, and of `--dtype auto`'s choice of precision)."""
+    cache, _, _ = prefilled_cache(target, batch, context, need_aux)
     return dict(zip(tokens, measure_verify_steps(target, cache, need_aux, tokens, repeats)))
 
 

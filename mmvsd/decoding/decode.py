@@ -16,7 +16,7 @@ from mmvsd.adapter_base import Prompt, padded_embeds, span_ids
 from mmvsd.decoding.cost_cache import load_cost_table
 from mmvsd.decoding.kv import sequence_block
 from mmvsd.decoding.proposer import Proposer
-from mmvsd.decoding.shape_policy import FULL, LIGHT, PLAIN, AcceptanceStats, AutoShape, StepChooser, StepCosts
+from mmvsd.decoding.shape_policy import FULL, LIGHT, PLAIN, AcceptanceStats, AutoShape, StepCosts
 from mmvsd.decoding.tree import ShapePlan, TreeShape, build_dynamic_tree, root_only_tree
 from mmvsd.decoding.verify import row_generators, sample_next, verify
 from mmvsd.drafter_base import DraftInputs, PairMedia
@@ -195,7 +195,8 @@ def speculative_generate(
     reads the pairs they committed when it next drafts.
     """
     prompts = as_prompts(prompts)
-    plan, chooser = _shape_plan(target, drafter, config, len(prompts), costs, stats)
+    plan = make_shape(config.tree, target, drafter, len(prompts), costs, stats)
+    chooser = plan.stats.chooser() if isinstance(plan, AutoShape) else None
     _check_prompts(target, prompts, config, lookahead=plan.depth + 1)
     for prompt in prompts:
         drafter.check_media(len(prompt.spans))
@@ -252,15 +253,18 @@ def speculative_generate(
     return tracker.results
 
 
-def _shape_plan(target: Target, drafter: Proposer, config: DecodeConfig, batch: int, costs: StepCosts | None,
-                stats: AcceptanceStats | None) -> tuple[ShapePlan, StepChooser | None]:
-    """A fixed shape as given, or for "auto" the cost-aware plan and its choice of step kinds."""
-    if isinstance(config.tree, TreeShape):
-        return config.tree, None
+def make_shape(tree: TreeShape | str, target: Target, drafter: Proposer, batch: int = 1,
+               costs: StepCosts | None = None, stats: AcceptanceStats | None = None) -> ShapePlan:
+    """The plan a resolved tree option (`mmvsd.tree_options`) grows trees with: a fixed shape as given, or for
+    "auto" the cost-aware plan on `costs` (this machine's cached profile at batch size `batch` when None),
+    learning acceptance into `stats` (fresh when None)."""
+    if isinstance(tree, TreeShape):
+        return tree
+    if tree != "auto":
+        raise UserError(f"tree must be a TreeShape or 'auto', got {tree!r}")
     if costs is None:
         costs = load_cost_table(target, drafter, batch_sizes=(batch,))
-    stats = stats if stats is not None else AcceptanceStats()
-    return AutoShape(costs, stats), stats.chooser()
+    return AutoShape(costs, stats if stats is not None else AcceptanceStats())
 
 
 def _next_draft_inputs(tree_ids: Tensor, tree_features: Tensor, verdict) -> DraftInputs:

@@ -21,13 +21,16 @@ one-token forwards, bit for bit. With float32 targets the engine is not used (fp
 
 `choose_cpu_engine` is what `--dtype auto` runs on a CPU: it times a 1- and a 16-token verify step in fp32 and
 in bf16 with the engine, and keeps bf16 where it is exact and no slower; the choice is cached per machine and
-target like the cost profile (`mmvsd.decoding.cost_cache`).
+target like the cost profile (`mmvsd.decoding.cost_cache`), and like it spot-checked on its first use in a
+process: the timings it rests on are taken again (a few rounds) and the choice is measured again, and may flip,
+when they are off by the profiles' rule (`cost_cache.timings_drift`).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 import sys
 from dataclasses import dataclass
 
@@ -38,7 +41,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from mmvsd.decoding import cost_cache
-from mmvsd.decoding.cost_measure import measure_verify_steps, prefilled_cache
+from mmvsd.decoding.cost_measure import SPOT_TOKENS, prefilled_cache, verify_step_seconds
 from mmvsd.decoding.fingerprints import machine_fingerprint, target_fingerprint
 from mmvsd.decoding.kv import sequence_block
 from mmvsd.files import atomic_file
@@ -49,6 +52,9 @@ ROW_CANDIDATES = (2, 3, 4, 5, 6, 8, 12, 16, 24, 32)  # verify-step sizes the bou
 HALF = (torch.bfloat16, torch.float16)
 QUERY_CHUNK = 256  # queries per float64 attention product (bounds a long prefill's memory)
 ENGINE_VERSION = "3"  # in cached choices and, through `Target.engine`, in cost profiles
+SPOT_REPEATS = 3  # timed rounds (after a warm-up) when a cached choice is spot-checked; the choice itself times 7
+
+logger = logging.getLogger(__name__)
 
 
 def exact_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -107,7 +113,11 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(EXACT_ATTENTION, sdpa_mask)
 
 
 def _packing_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    """Whether oneDNN's prepacked bf16 linear runs here: torch has it and this CPU has its bf16 instructions
+    (AVX-512 BW/VL/DQ or AVX-NE-CONVERT; an AVX2-only CPU has neither, and packing there raises)."""
+    mkldnn = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_linear_pointwise")
+            and hasattr(mkldnn, "_is_mkldnn_bf16_supported") and bool(mkldnn._is_mkldnn_bf16_supported()))
 
 
 class RowChunkedLinear(nn.Module):
@@ -244,10 +254,9 @@ def measure_exact_rows(target: Target, context: int = 64, candidates: tuple[int,
     return bound
 
 
-def _verify_ms(target: Target, sizes: tuple[int, ...] = (1, 16), repeats: int = 7) -> tuple[float, ...]:
-    """Typical milliseconds of a verify step of each size (the cost profile's own step, 256-token cache)."""
-    cache, _, _ = prefilled_cache(target, 1, 256, need_aux=False)
-    return tuple(1e3 * s for s in measure_verify_steps(target, cache, False, sizes, repeats))
+def _verify_ms(target: Target, repeats: int = 7) -> tuple[float, ...]:
+    """Typical milliseconds of a verify step of 1 and 16 tokens (the cost profile's own step, 256-token cache)."""
+    return tuple(1e3 * s for s in verify_step_seconds(target, 1, 256, False, SPOT_TOKENS, repeats).values())
 
 
 def exact_rows_for(target: Target) -> int:
@@ -282,25 +291,68 @@ def use_exact_engine(target: Target) -> bool:
 @torch.no_grad()
 def choose_cpu_engine(target: Target, progress: bool = True) -> Target:
     """`--dtype auto` on a CPU: the fp32 `target` itself, or a bf16 copy with the exact engine where that is
-    exact (bound >= 4) and measured no slower at 1 token and faster at 16; decided once per machine and target."""
+    exact (bound >= 4) and measured no slower at 1 token and faster at 16; decided once per machine and target, and
+    spot-checked on its first use in a process (measured again, and maybe flipped, where its timings are off)."""
     key = _key(target, "cpu_engine")
-    cached = _read(key)
-    if cached is not None:
-        choice = EngineChoice(cached["dtype"], cached["exact_rows"], tuple(cached["fp32_ms"]),
-                              tuple(cached["bf16_ms"]) if cached["bf16_ms"] else None)
-    else:
-        if progress:
-            print(f"mmvsd: choosing fp32 or bf16 for {target.name} on this machine (once; cached in "
-                  f"{engine_path(key)})", file=sys.stderr, flush=True)
-        choice = _measure_choice(target)
-        if progress:
-            print(f"mmvsd: {target.name} runs in {choice.dtype} here: {choice.describe()}", file=sys.stderr)
-        _write(key, {"dtype": choice.dtype, "exact_rows": choice.exact_rows, "fp32_ms": list(choice.fp32_ms),
-                     "bf16_ms": list(choice.bf16_ms) if choice.bf16_ms else None})
+    path = engine_path(key)
+    choice, half = _cached_choice(key), None
+    if choice is not None and not cost_cache.checked_in_this_process(path):  # once per process, as cost profiles
+        half, why = _spot_check(target, choice)
+        if why is not None:
+            logger.warning("mmvsd: the fp32/bf16 choice %s no longer fits this machine (%s); measuring again",
+                           path, why)
+            choice, half = None, None
+    if choice is None:
+        choice = _measure_and_cache(target, key, progress)
+    cost_cache.mark_checked(path)
     if choice.dtype == "float32":
         return target
+    return half if half is not None else _engine_copy(target, choice.exact_rows)
+
+
+def _cached_choice(key: dict[str, str]) -> EngineChoice | None:
+    """The choice cached for `key`, or None."""
+    cached = _read(key)
+    if cached is None:
+        return None
+    return EngineChoice(cached["dtype"], cached["exact_rows"], tuple(cached["fp32_ms"]),
+                        tuple(cached["bf16_ms"]) if cached["bf16_ms"] else None)
+
+
+def _measure_and_cache(target: Target, key: dict[str, str], progress: bool) -> EngineChoice:
+    """Measure the choice for `key` on this machine and cache it."""
+    if progress:
+        print(f"mmvsd: choosing fp32 or bf16 for {target.name} on this machine (once; cached in "
+              f"{engine_path(key)})", file=sys.stderr, flush=True)
+    choice = _measure_choice(target)
+    if progress:
+        print(f"mmvsd: {target.name} runs in {choice.dtype} here: {choice.describe()}", file=sys.stderr)
+    _write(key, {"dtype": choice.dtype, "exact_rows": choice.exact_rows, "fp32_ms": list(choice.fp32_ms),
+                 "bf16_ms": list(choice.bf16_ms) if choice.bf16_ms else None})
+    return choice
+
+
+def _spot_check(target: Target, choice: EngineChoice) -> tuple[Target | None, str | None]:
+    """Time again (SPOT_REPEATS rounds) what a cached choice rests on: (the exact bf16 copy timed, None when the
+    choice holds no bf16 timings; why the timings of fp32 or of bf16 no longer hold here, or None)."""
+    reasons = [_drift("an fp32 verify step", _verify_ms(target, SPOT_REPEATS), choice.fp32_ms)]
+    half = None
+    if choice.bf16_ms is not None:
+        half = _engine_copy(target, choice.exact_rows)
+        reasons.append(_drift("an exact bf16 verify step", _verify_ms(half, SPOT_REPEATS), choice.bf16_ms))
+    return half, "; ".join(reason for reason in reasons if reason) or None
+
+
+def _drift(step: str, now_ms: tuple[float, ...], then_ms: tuple[float, ...]) -> str | None:
+    """The profiles' drift rule (`cost_cache.timings_drift`) on one precision's 1- and 16-token steps."""
+    now, then = ({n: ms / 1e3 for n, ms in zip(SPOT_TOKENS, values)} for values in (now_ms, then_ms))
+    return cost_cache.timings_drift(now, then, step, when="chosen")
+
+
+def _engine_copy(target: Target, rows: int) -> Target:
+    """A bf16 copy of the fp32 `target` running the exact engine with the bound `rows`."""
     half = _bf16_copy(target)
-    install_exact_engine(half, choice.exact_rows)
+    install_exact_engine(half, rows)
     return half
 
 

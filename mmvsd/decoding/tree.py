@@ -16,7 +16,8 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class TreeShape:
-    """How big a draft tree may grow: total nodes (root included), max depth, children per node."""
+    """How big a draft tree may grow: total nodes (root included), max depth, children per node. The defaults
+    are the paper's text tree (`mmvsd.tree_options.TEXT_TREE`); commands resolve their tree options there."""
 
     budget: int = 60
     depth: int = 7

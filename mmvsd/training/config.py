@@ -21,7 +21,8 @@ import mmvsd.configs
 from mmvsd.decoding.tree import TreeShape
 from mmvsd.errors import UserError
 from mmvsd.files import atomic_file
-from mmvsd.training.objectives import OBJECTIVE_NAMES, ObjectiveConfig
+from mmvsd.training.objectives import ObjectiveConfig
+from mmvsd.training.terms import DEFAULT_OBJECTIVE, check_objective
 
 
 @dataclass
@@ -31,10 +32,12 @@ class TrainConfig:
     target: str = ""
     drafter: str = "eagle3"  # a registered drafter type
     init: str = "none"  # none | drafter folder | LAYOUT (released for the target) | LAYOUT:PATH
-    # ce | vsd (ablation: no KL half) | vsd-kl | ce+vsd (the paper's recipe) | accept | ce+accept | vsd-rloo
-    # | ce+vsd-rloo (objectives.py's docstring). ce+accept won both pre-registered studies (docs/reproduction.md)
-    objective: str = "ce+accept"
-    data: str = "sharegpt"  # sharegpt, sharegpt:PATH, llava-instruct:PATH or a file; SPEC+SPEC mixes them
+    # TERM or TERM+TERM over the registered terms (mmvsd.training.terms): ce, vsd (ablation: no KL half), vsd-kl,
+    # accept, vsd-rloo; ce+vsd is the paper's recipe. ce+accept won both pre-registered studies (docs/reproduction.md)
+    objective: str = DEFAULT_OBJECTIVE
+    # auto (ShareGPT; an image drafter on an image target: ShareGPT + LLaVA-Instruct, training_data.py), sharegpt,
+    # sharegpt:PATH, llava-instruct:PATH or a file; SPEC+SPEC mixes them
+    data: str = "auto"
     image_root: str = ""  # where the data's relative image paths are ("": each data file's folder); LLaVA-Instruct
     # names bare COCO files (000000033471.jpg): set image_root=/data/coco/train2017
     adapter: str = ""  # modality adapter for conversations with images ("": the first that fits the target)
@@ -93,7 +96,8 @@ class TrainConfig:
 
     def validate(self) -> None:
         """Raise UserError on settings that cannot work together."""
-        choices = {"objective": OBJECTIVE_NAMES, "regenerate": ("none", "greedy", "sample"),
+        check_objective(self.objective, self.loss)  # a known objective, with weights that train something
+        choices = {"regenerate": ("none", "greedy", "sample"),
                    "features": ("online", "offline"), "schedule": ("cosine", "linear"),
                    "media_curriculum": ("auto", "on", "off"),
                    "precision": ("fp32", "bf16"), "target_dtype": ("fp32", "bf16"),
@@ -121,7 +125,7 @@ class TrainConfig:
             raise UserError("set batch_size (per process) or global_batch_size (split across the processes), "
                             f"not both (got {self.batch_size} and {self.global_batch_size})")
         self._validate_eval()
-        self.loss.validate(self.objective)  # loss values, weights (objectives.ObjectiveConfig)
+        self.loss.validate()  # loss values (objectives.ObjectiveConfig)
 
     def _validate_eval(self) -> None:
         if self.eval_every < 0 or self.eval_limit < 0:

@@ -1,4 +1,4 @@
-"""Training objectives: each maps a feature batch to a scalar loss plus metrics.
+"""The loss terms of the training objectives and their knobs (`ObjectiveConfig`): batch -> loss plus metrics.
 
 An objective is a weighted sum of terms (docs/training.md, "Objectives", has the formulas):
     ce       EAGLE-3 training-time test: sum_i decay^i * soft-CE(p_theta restricted to the draft
@@ -16,22 +16,15 @@ An objective is a weighted sum of terms (docs/training.md, "Objectives", has the
              kappa (its acceptance probability) against the mean of the other S-1 (a leave-one-out
              baseline); with loss.rloo_score=kappa an unbiased gradient of the expected accepted length of
              the drafter's own chains.
-Objectives (TERM_WEIGHTS):
-    ce       ce alone (the baseline).
-    vsd      vsd alone: an ABLATION (the ELBO without its KL half), never "VSD" as the paper trains it.
-    vsd-kl   vsd + kl_alpha * topk_kl: the paper's "VSD (KL)".
-    ce+vsd   ce_weight * ce + vsd_weight * vsd, by default ce + 0.1 * vsd: the paper's recipe (the
-             original loss plus alpha times the VSD term), for training on from a trained drafter.
-    accept   accept alone: what sampled drafts are accepted with, maximised directly.
-    ce+accept  ce + accept_weight * accept.
-    vsd-rloo   vsd_rloo alone.
-    ce+vsd-rloo  ce + rloo_weight * vsd_rloo.
+Objectives are TERM or TERM+TERM over these terms, with their weights, metrics and costs, in the registry
+`mmvsd.training.terms` (the paper's recipe is `ce+vsd`, ce + 0.1 * vsd; `vsd` alone is an ABLATION, the ELBO
+without its KL half, never "VSD" as the paper trains it; `vsd-kl` is the paper's "VSD (KL)").
 The objectives never look at which drafter they train: only the `Drafter` interface.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -89,16 +82,15 @@ class ObjectiveConfig:
     kl_alpha: float = 0.1  # vsd-kl: weight of topk_kl
     kl_topk: int = 10
     kl_depth: str = "all"  # all: every unrolled step with ttt_decay | first: draft step 0 only
-    ce_weight: float = 1.0  # ce+vsd: weight of ce
-    vsd_weight: float = PAPER_ALPHA  # ce+vsd: weight of vsd (the paper's alpha)
-    accept_weight: float = 1.0  # ce+accept: weight of accept
-    rloo_weight: float = 1.0  # ce+vsd-rloo: weight of vsd_rloo
+    # a term's weight in a mixture (a term alone weighs 1; mmvsd.training.terms)
+    ce_weight: float = 1.0  # ce
+    vsd_weight: float = PAPER_ALPHA  # vsd and vsd-kl (ce+vsd: the paper's alpha)
+    accept_weight: float = 1.0  # accept
+    rloo_weight: float = 1.0  # vsd-rloo
     rloo_score: str = "kappa"  # vsd_rloo's path score: kappa (expected accepted length) | log_kappa
 
-    def validate(self, objective: str) -> None:
-        """Raise UserError on values no run can use, or weights with which `objective` trains nothing."""
-        if objective not in TERM_WEIGHTS:
-            raise UserError(f"unknown objective {objective!r}; choose one of {', '.join(OBJECTIVE_NAMES)}")
+    def validate(self) -> None:
+        """Raise UserError on values no run can use (what an objective's weights train: `terms.check_objective`)."""
         choices = {"car_normalisation": CAR_NORMALISATIONS, "car_scale": CAR_SCALES, "kl_depth": KL_DEPTHS,
                    "zbar_vocab": ZBAR_VOCABS, "rloo_score": PATH_SCORES}
         for key, allowed in choices.items():
@@ -113,38 +105,9 @@ class ObjectiveConfig:
         for key in ("car_temperature", "length_weight_base"):
             if not getattr(self, key) > 0:
                 raise UserError(f"loss.{key} must be > 0, got {getattr(self, key)}")
-        weights = term_weights(objective, self)
-        if not any(weights.values()):
-            settings = ", ".join(f"{TERM_KEYS[t]}=0" for t in weights if TERM_KEYS[t])
-            raise UserError(f"objective={objective} trains nothing with {settings}: give a term a weight > 0")
-
-
-def term_weights(objective: str, config: ObjectiveConfig) -> dict[str, float]:
-    """{term: weight} of `objective` (module docstring), in the order the terms are computed."""
-    return {term: (getattr(config, key) if key else 1.0) for term, key in TERM_WEIGHTS[objective].items()}
-
-
-# objective -> {term: the ObjectiveConfig field holding its weight ("" = weight 1)}
-TERM_WEIGHTS = {
-    "ce": {"ce": ""},
-    "vsd": {"vsd": ""},
-    "vsd-kl": {"vsd": "", "topk_kl": "kl_alpha"},
-    "ce+vsd": {"ce": "ce_weight", "vsd": "vsd_weight"},
-    "accept": {"accept": ""},
-    "ce+accept": {"ce": "", "accept": "accept_weight"},
-    "vsd-rloo": {"vsd_rloo": ""},
-    "ce+vsd-rloo": {"ce": "", "vsd_rloo": "rloo_weight"},
-}
-TERM_KEYS = {"ce": "loss.ce_weight", "vsd": "loss.vsd_weight", "topk_kl": "loss.kl_alpha",
-             "accept": "loss.accept_weight", "vsd_rloo": "loss.rloo_weight"}
-OBJECTIVE_NAMES = tuple(TERM_WEIGHTS)
-# terms that run an E-step (estep.py) -> whether its drafter pass also scores the target's S corrections and z_bar
-ESTEP_TERMS = {"vsd": True, "vsd_rloo": False}
-PRECISE_LABEL_TERMS = ("accept",)  # terms that read the target's head in fp32 (`Unroll.target_labels`)
 
 
 Metrics = dict[str, float]
-Objective = Callable[[Drafter, Target, FeatureBatch, torch.Generator, Mean], tuple[Tensor, Metrics]]
 
 
 @dataclass
@@ -390,49 +353,3 @@ def accept_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: O
     metrics["accept"] = float(-total.detach())
     return total, metrics
 
-
-def _ce_term(drafter, target, batch, config, generator, mean, unroll):
-    return ce_loss(drafter, target, batch, config, mean, unroll)
-
-
-def _kl_term(drafter, target, batch, config, generator, mean, unroll):
-    return topk_kl_loss(drafter, target, batch, config, mean, unroll)
-
-
-def _accept_term(drafter, target, batch, config, generator, mean, unroll):
-    return accept_loss(drafter, target, batch, config, mean, unroll)
-
-
-def _vsd_term(drafter, target, batch, config, generator, mean, unroll):
-    return vsd_loss(drafter, target, batch, config, generator, mean)  # its own paths, not the unroll
-
-
-def _rloo_term(drafter, target, batch, config, generator, mean, unroll):
-    return vsd_rloo_loss(drafter, target, batch, config, generator, mean)
-
-
-TERMS = {"ce": _ce_term, "vsd": _vsd_term, "topk_kl": _kl_term, "accept": _accept_term, "vsd_rloo": _rloo_term}
-
-
-def make_objective(name: str, config: ObjectiveConfig) -> Objective:
-    """The objective called `name`: sum of weight * term over its terms (module docstring).
-
-    A term of weight 0 is not computed. Raises UserError on an unknown name or a bad config.
-    """
-    config.validate(name)
-    weights = term_weights(name, config)
-    precise = any(weights.get(term, 0) != 0 for term in PRECISE_LABEL_TERMS)  # their fp32 head serves ce's too
-
-    def objective(drafter: Drafter, target: Target, batch: FeatureBatch, generator: torch.Generator,
-                  mean: Mean = batch_mean):
-        total, metrics = None, {}
-        unroll = Unroll(drafter, batch, precise_labels=precise)  # computed once, read by every unrolled term
-        for term, weight in weights.items():
-            if weight == 0:
-                continue
-            value, term_metrics = TERMS[term](drafter, target, batch, config, generator, mean, unroll)
-            total = weight * value if total is None else total + weight * value
-            metrics.update(term_metrics)
-        return total, metrics
-
-    return objective

@@ -3,7 +3,8 @@
 No weights are loaded and nothing is written: the target and the drafter are built on the meta device from
 configs (shipped full-size ones for the LLaVA-1.5 names in `configs/targets/`, a folder's config.json, a
 GGUF built-in's converted folder), so their parameter counts are exact. The data files are read for their
-record counts. Memory per GPU is a model:
+record counts (`data=auto` resolved as the run resolves it, `training_data.py`, and a warning when an image
+drafter would train on text alone). Memory per GPU is a model:
 
 - weights and training state (exact from the counts): the frozen target in `target_dtype`; the drafter's
   trainable parameters with fp32 master weights, fp32 gradients and AdamW's two fp32 moments, plus DDP's
@@ -34,15 +35,14 @@ from mmvsd.drafter_base import drafter_class
 from mmvsd.drafters.layers import layer_sizes
 from mmvsd.errors import UserError
 from mmvsd.target import Target
-from mmvsd.target_loader import builtin_targets, resolve_target_folder
 from mmvsd.training.config import TrainConfig
 from mmvsd.training.dataset import data_specs
 from mmvsd.training.drafter_init import resolve_init
 from mmvsd.training.feature_cache import feature_bytes_per_token
-from mmvsd.training.objectives import ESTEP_TERMS, PRECISE_LABEL_TERMS, TERM_WEIGHTS
+from mmvsd.training.terms import ESTEP_CORRECTIONS, objective_terms
 from mmvsd.training.trainer import check_dataset_exists, dataset_image_root, total_steps
+from mmvsd.training.training_data import resolve_training_data, target_config_path, text_only_warning
 
-TARGET_CONFIGS = Path(mmvsd.configs.__file__).parent / "targets"  # full-size configs of the LLaVA-1.5 names
 ZERO2 = Path(mmvsd.configs.__file__).parent / "accelerate_zero2.yaml"
 DEEPSPEED_JSON = Path(mmvsd.configs.__file__).parent / "deepspeed_zero2.json"
 GPU_COUNTS = (1, 2, 4, 8)
@@ -52,20 +52,6 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 CHARS_PER_TOKEN = 4  # English chat text in a LLaMA-family tokenizer, roughly (the tokenizer is not loaded)
 GB = 1e9
 GPU_BYTES = 80 * GB  # an A100 / H100
-
-
-def target_config_path(spec: str) -> Path:
-    """A config.json for `spec` without loading weights: shipped (LLaVA-1.5 names), a folder's, a GGUF built-in's."""
-    builtin = builtin_targets().get(spec)
-    names = [spec] + ([builtin.hf_id] if builtin is not None and builtin.hf_id else [])
-    for name in names:
-        shipped = TARGET_CONFIGS / f"{name.rsplit('/', 1)[-1].removesuffix('-hf')}.json"
-        if shipped.is_file():
-            return shipped
-    folder = Path(spec).expanduser()
-    if folder.is_dir() and not (folder / "config.json").is_file():
-        raise UserError(f"--dry-run: {folder} has no config.json to plan with")
-    return resolve_target_folder(spec) / "config.json"  # a clear error for an unknown name
 
 
 def meta_target(spec: str) -> tuple[Target, Path]:
@@ -128,7 +114,7 @@ def activation_bytes(config: TrainConfig, target: Target, draft_vocab: int) -> i
     features = rows * (len(target.aux_layer_ids) + 1) * target.hidden_size * half
     # the target's head over the batch (in fp32 for an objective with `accept`, whose probabilities it keeps too:
     # objectives.Unroll.target_labels) and the labels over the draft vocabulary
-    precise = any(term in TERM_WEIGHTS[config.objective] for term in PRECISE_LABEL_TERMS)
+    precise = any(term.precise_labels for term in objective_terms(config.objective))
     target_logits = rows * target.vocab_size * (4 if precise else half) + rows * draft_vocab * 4 * (1 + precise)
     per_step = rows * drafted_row_bytes(config, target, draft_vocab)
     return (features + rows * kv_bytes_per_token(target) + target_logits + config.loss.ttt_steps * per_step
@@ -154,7 +140,7 @@ def kv_bytes_per_token(target: Target) -> int:
 
 def estep_bytes(config: TrainConfig, target: Target, draft_vocab: int) -> int:
     """An estimate of what an E-step objective's paths hold at the packed scoring (module docstring); 0 without one."""
-    given = [ESTEP_TERMS[term] for term in TERM_WEIGHTS[config.objective] if term in ESTEP_TERMS]
+    given = [term.estep == ESTEP_CORRECTIONS for term in objective_terms(config.objective) if term.estep]
     if not given:
         return 0
     loss = config.loss
@@ -171,13 +157,14 @@ class DataPlan:
     examples: int
     about_tokens: int  # an estimate from characters (and image tokens), each example capped at max_length
     lines: list[str]
+    images: int = 0  # conversations with an image
 
 
 def data_plan(config: TrainConfig, image_tokens: int) -> DataPlan:
     """Record counts of each dataset of the mixture (read, not rendered: the tokenizer is not loaded); a missing
     file, image root or image is one error (`check_dataset_exists`, whose reads are reused)."""
     read = check_dataset_exists(config.data, config.image_root, config.num_conversations)
-    examples = tokens = 0
+    examples = tokens = num_images = 0
     lines = []
     for spec in data_specs(config.data):
         _, path = parse_dataset_spec(spec)
@@ -188,11 +175,12 @@ def data_plan(config: TrainConfig, image_tokens: int) -> DataPlan:
         tokens += sum(min(config.max_length, c // CHARS_PER_TOKEN + (image_tokens if conv.image else 0))
                       for c, conv in zip(chars, conversations, strict=True))
         examples += len(conversations)
+        num_images += images
         where = f", images under {root}" if images or stats.num_missing_images else ""
         missing = f" ({stats.num_missing_images} with a missing image)" if stats.num_missing_images else ""
         lines.append(f"{spec}: {len(conversations)} conversations, {images} with an image{missing}{where}")
     train = examples - round(examples * config.validation_fraction)
-    return DataPlan(train, round(tokens * train / max(1, examples)), lines)
+    return DataPlan(train, round(tokens * train / max(1, examples)), lines, num_images)
 
 
 def launch_command(argv: list[str], num_gpus: int) -> str:
@@ -222,6 +210,7 @@ def image_tokens_per_image(config) -> int:
 def describe_plan(config: TrainConfig, argv: list[str], num_gpus: int) -> str:
     """The plan `mmvsd train --dry-run` prints."""
     target, config_path = meta_target(config.target)
+    given_data, config = config.data, resolve_training_data(config, target)  # data=auto: what it means here
     groups = parameter_groups(target)
     target_params = sum(groups.values())
     init = resolve_init_offline(config)
@@ -238,6 +227,11 @@ def describe_plan(config: TrainConfig, argv: list[str], num_gpus: int) -> str:
              f"draft vocabulary {draft_vocab}; init: {init}",
              f"objective {config.objective}; precision {config.precision}; features {config.features}"]
     global_batch = config.global_batch_size or config.batch_size * num_gpus
+    if given_data != config.data:
+        lines.append(f"data     data={given_data}: {config.data}" + (f", image_root={config.image_root}"
+                                                                      if config.image_root else ""))
+    if warning := text_only_warning(config, target, data.images if data is not None else 0):
+        lines.append(f"warning  {warning}")
     if data is not None:
         lines += [f"data     {line}" for line in data.lines]
         steps = total_steps(config, data.examples, global_batch)

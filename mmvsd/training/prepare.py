@@ -9,6 +9,7 @@ from mmvsd.errors import UserError
 from mmvsd.training.config import TrainConfig
 from mmvsd.training.feature_cache import plan_feature_cache, write_feature_cache
 from mmvsd.training.trainer import config_examples, data_settings, load_training_target
+from mmvsd.training.training_data import resolve_training_data
 
 DTYPES = {"auto": None, "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 
@@ -17,6 +18,7 @@ def prepare_feature_cache(config: TrainConfig, dtype: str = "auto", assume_yes: 
                           device: str = "cpu") -> Path:
     """Render the same training examples `mmvsd train` would, print the size, then write the cache (the target
     on `device`; the features are stored from the CPU)."""
+    config = resolve_training_data(config)  # data=auto, as `mmvsd train` resolves it
     out_dir = Path(config.feature_cache)
     target = load_training_target(config, device)
     split = config_examples(config, target)

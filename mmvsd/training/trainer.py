@@ -51,7 +51,8 @@ from mmvsd.training.drafter_init import InitSource, resolve_init
 from mmvsd.training.feature_cache import FeatureCache, check_cache_matches
 from mmvsd.training.features import FeatureBatch, capture_features, collate
 from mmvsd.training.media import embed_batch, media_adapter
-from mmvsd.training.objectives import make_objective
+from mmvsd.training.terms import make_objective, progress_labels
+from mmvsd.training.training_data import resolve_training_data, text_only_warning
 
 logger = logging.getLogger(__name__)
 
@@ -346,6 +347,7 @@ def _scalar_config(config: TrainConfig) -> dict:
 
 def train(config: TrainConfig, target: Target | None = None, resume: bool = False) -> Path:
     """Run (or resume) a training run; returns the output folder, which holds the drafter."""
+    config = resolve_training_data(config, target)  # data=auto: ShareGPT, or the LLaVA mixture for images
     out_dir = Path(config.output)
     resume_from = check_output(out_dir, resume)
     if resume_from is not None:
@@ -368,6 +370,8 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
     target.model.to(accelerator.device)
     monitor = _tau_monitor(config, target, accelerator)
     source = _training_source(config, target, out_dir, read)
+    if warning := text_only_warning(config, target, sum(source.is_media)):
+        logger.warning(warning)
     split.check_fits(len(source))
     drafter = build_drafter(config, target, source.examples)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
@@ -435,9 +439,7 @@ def dataset_image_root(image_root: str, path: Path) -> Path:
 
 
 def _postfix(metrics: dict[str, float], monitor=None) -> dict[str, str]:
-    names = {"loss": "loss", "acc_0": "acc", "oracle_pass_rate": "pass", "mean_beta": "beta", "accept": "accept",
-             "rloo_score": "rloo"}
-    shown = {short: f"{metrics[key]:.3f}" for key, short in names.items() if key in metrics}
+    shown = {short: f"{metrics[key]:.3f}" for key, short in progress_labels().items() if key in metrics}
     if monitor is not None and monitor.last_report is not None:
         shown["tau"] = f"{monitor.last_report.tau:.2f}"
     return shown
