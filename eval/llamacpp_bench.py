@@ -73,7 +73,7 @@ def llamacpp_methods(config, target: Target, stack: ExitStack) -> list[Method]:
     methods = []
     for label, args in rows:
         server = stack.enter_context(LlamaServer(model, args))
-        methods.append(Method(label, ServerGenerate(server, target), False, batch_one=True, media_refusal=MEDIA_NOTE))
+        methods.append(Method(label, ServerGenerate(server), False, batch_one=True, media_refusal=MEDIA_NOTE))
     return methods
 
 
@@ -128,8 +128,8 @@ class EngineResult(SequenceResult):
 class ServerGenerate:
     """A bench method backed by one llama-server: prompts (token ids) -> results, one request each."""
 
-    def __init__(self, server: LlamaServer, target: Target) -> None:
-        self.server, self.target = server, target
+    def __init__(self, server: LlamaServer) -> None:
+        self.server = server
 
     def __call__(self, prompts: list, config: DecodeConfig) -> list[EngineResult]:
         return [self.one(list(prompt), config) for prompt in prompts]

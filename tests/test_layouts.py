@@ -289,7 +289,7 @@ def test_init_specs(tiny_target, tmp_path):
         resolve_init(f"eagle3:{tmp_path / 'nope'}", "t")
     with pytest.raises(UserError, match="not 'none', a layout name .*eagle3.*hf"):
         resolve_init("eagle4", "t")
-    with pytest.raises(UserError, match="unknown checkpoint layout 'eagle4'; registered: eagle3, hf"):
+    with pytest.raises(UserError, match="unknown checkpoint layout 'eagle4'; registered: eagle3, gguf, hf"):
         layout("eagle4")
 
 
@@ -319,7 +319,8 @@ def test_export_command(tmp_path, capsys):
         export_cli(["--drafter", str(tmp_path / "ours"), "--format", "eagle3", str(out)])
     export_cli(["--drafter", str(tmp_path / "ours"), "--format", "eagle3", "--force", str(out)])
     assert_same_tensors(load_file(str(out / "model.safetensors")), first)
-    with pytest.raises(UserError, match="unknown checkpoint layout .vllm.; registered: eagle3, hf, msd, speculators"):
+    with pytest.raises(UserError, match="unknown checkpoint layout .vllm.; registered: eagle3, gguf, hf, msd, "
+                                        "speculators"):
         export_cli(["--drafter", str(tmp_path / "ours"), "--format", "vllm", str(tmp_path / "x")])
     with pytest.raises(UserError, match="not an mmvsd drafter folder"):
         export_cli(["--drafter", str(out), "--format", "hf", str(tmp_path / "y")])
@@ -385,7 +386,7 @@ def test_speculators_export_is_the_speculators_layout_and_round_trips(tmp_path):
 
 
 @pytest.mark.parametrize(("fmt", "message"), [
-    ("vllm", "unknown checkpoint layout 'vllm'; registered: eagle3, hf, msd, speculators, vispec"),
+    ("vllm", "unknown checkpoint layout 'vllm'; registered: eagle3, gguf, hf, msd, speculators, vispec"),
     ("eagle3", "--format eagle3 holds 'eagle3' drafters (vLLM and SGLang serve only EAGLE-3-style drafters); "),
     ("speculators", "--format speculators holds 'eagle3' drafters (vLLM and SGLang serve only EAGLE-3-style"),
 ])

@@ -209,8 +209,9 @@ def pack_for_cpu(module: nn.Module) -> bool:
 
 
 def packed_linear(linear: nn.Linear) -> RowChunkedLinear:
-    """A bf16 linear layer on oneDNN's prepacked kernel, its weight kept (see `pack_for_cpu`)."""
-    return RowChunkedLinear(linear, rows=1 << 30, pack=True, keep_weight=True, pad_single=False)
+    """A bf16 linear layer on oneDNN's prepacked kernel where this CPU runs it (else the stock one), its weight
+    kept (see `pack_for_cpu`)."""
+    return RowChunkedLinear(linear, rows=1 << 30, pack=_packing_available(), keep_weight=True, pad_single=False)
 
 
 def _chain_logits(target: Target, cache, ids: Tensor, one_at_a_time: bool) -> Tensor:
