@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import tempfile
 from pathlib import Path
 
 from mmvsd.drafters.draft_model import PREFIX as DRAFT_MODEL
 from mmvsd.drafters.draft_model import parse_draft_spec
 from mmvsd.errors import UserError
+from mmvsd.files import atomic_file
 from mmvsd.layouts.export import export_drafter
 from mmvsd.shipped import resolve_drafter
 from mmvsd.target_loader import builtin_targets, target_gguf_file
@@ -72,13 +72,6 @@ def copy_gguf(model: str, out: Path, force: bool) -> Path:
     if dest.is_dir() or (dest.exists() and not force):
         raise UserError(f"output {dest} exists; pass --force to replace it" if not dest.is_dir()
                         else f"output {dest} is a folder")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent)
-    try:
-        with open(fd, "wb") as handle, open(source, "rb") as src:
-            shutil.copyfileobj(src, handle, 1 << 24)
-        Path(tmp).replace(dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(dest, "wb") as handle, open(source, "rb") as src:
+        shutil.copyfileobj(src, handle, 1 << 24)
     return dest
