@@ -141,6 +141,7 @@ def iter_json_array(path: Path, allow_truncated: bool = False, stats: LoadStats 
         if pos >= len(buf) or buf[pos] != "[":
             raise UserError(f"{path} is not a JSON list (first character {buf[pos:pos + 1]!r})")
         pos, read_size, expect_comma = pos + 1, _READ_CHARS, False
+        record = 1  # number of the element being read
         while True:
             pos = _skip_space(buf, pos)
             if pos >= len(buf) - 1 and not eof:  # keep one char of lookahead in the buffer
@@ -154,7 +155,8 @@ def iter_json_array(path: Path, allow_truncated: bool = False, stats: LoadStats 
                     pos, expect_comma = pos + 1, False
                     continue
                 if pos < len(buf) or not allow_truncated:
-                    raise UserError(f"{path} is not valid JSON: expected ',' or ']' at character {consumed + pos}")
+                    raise UserError(f"{path} is not valid JSON: expected ',' or ']' after record {record - 1}, at "
+                                    f"character {consumed + pos}")
                 return  # complete elements, then end of file without ']'
             try:
                 value, end = decoder.raw_decode(buf, pos)
@@ -169,10 +171,10 @@ def iter_json_array(path: Path, allow_truncated: bool = False, stats: LoadStats 
                         stats.truncated_tail_chars = len(buf) - pos
                     logger.info("%s: dropped an incomplete final record (%d chars)", path, len(buf) - pos)
                     return
-                raise UserError(f"{path} is not valid JSON at character {consumed + pos} "
+                raise UserError(f"{path} is not valid JSON in record {record}, at character {consumed + pos} "
                                 f"(corrupt or truncated): {err}") from None
             yield value
-            pos, read_size, expect_comma = end, _READ_CHARS, True
+            pos, read_size, expect_comma, record = end, _READ_CHARS, True, record + 1
 
 
 def _check_trailing(path: Path, f, rest: str, offset: int) -> None:
@@ -185,8 +187,10 @@ def _check_trailing(path: Path, f, rest: str, offset: int) -> None:
             return
 
 
-def iter_jsonl(path: Path) -> Iterator[Any]:
-    """Yield one decoded value per non-blank line; a bad line is a UserError naming file and line."""
+def iter_jsonl(path: Path, skip_unfinished_last_line: bool = False) -> Iterator[Any]:
+    """Yield one decoded value per non-blank line; a bad line is a UserError naming file and line.
+    `skip_unfinished_last_line`: a last line without its newline that does not parse is being written (a run in
+    progress appends there) and is skipped with a warning."""
     with _open_text(path) as f:
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
@@ -194,6 +198,9 @@ def iter_jsonl(path: Path) -> Iterator[Any]:
             try:
                 yield json.loads(line)
             except ValueError as err:
+                if skip_unfinished_last_line and not line.endswith("\n"):
+                    logger.warning("%s: skipping its unfinished last line %d", path, line_number)
+                    return
                 raise UserError(f"{path} line {line_number} is not valid JSON "
                                 f"(expected a JSON list or JSON Lines of records): {err}") from None
 
@@ -216,9 +223,17 @@ def _first_char(path: Path) -> str:
 
 
 def iter_records(path: Path, stats: LoadStats | None = None) -> Iterator[Any]:
-    """Yield raw records of a user file: a JSON list, or JSON Lines (sniffed from the first character)."""
+    """Yield raw records of a user file: a JSON list, or JSON Lines (sniffed from the first character); of a
+    folder: its `*.jsonl` files in name order (e.g. the shards `mmvsd regenerate` writes)."""
     if not path.exists():
         raise UserError(f"dataset file not found: {path}")
+    if path.is_dir():
+        files = sorted(path.glob("*.jsonl"))
+        if not files:
+            raise UserError(f"dataset folder {path} holds no .jsonl files")
+        for file in files:
+            yield from iter_jsonl(file, skip_unfinished_last_line=True)
+        return
     if not path.is_file():
         raise UserError(f"dataset path is not a file: {path}")
     try:
@@ -242,8 +257,8 @@ def iter_records(path: Path, stats: LoadStats | None = None) -> Iterator[Any]:
 
 
 def _turn_list(record: dict) -> list | None:
-    """The raw turn list of a record (ShareGPT `conversations` or chat `messages`), or None."""
-    for key in ("conversations", "messages"):
+    """The raw turn list of a record (ShareGPT `conversations`, chat `messages`, regenerated `turns`), or None."""
+    for key in ("conversations", "messages", "turns"):
         turns = record.get(key)
         if isinstance(turns, list):
             return turns
@@ -251,8 +266,8 @@ def _turn_list(record: dict) -> list | None:
 
 
 def _turn_text(raw: dict) -> Any:
-    """Text of a raw turn: `value` (ShareGPT) or `content` (chat; a list of parts keeps its text parts)."""
-    text = raw.get("value", raw.get("content"))
+    """Text of a raw turn: `value` (ShareGPT), `content` (chat; a list of parts keeps its text parts) or `text`."""
+    text = raw.get("value", raw.get("content", raw.get("text")))
     if isinstance(text, list):  # OpenAI-style content parts
         parts = [p.get("text") for p in text if isinstance(p, dict) and p.get("type") == "text"]
         text = "".join(p for p in parts if isinstance(p, str)) if parts else None

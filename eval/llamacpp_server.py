@@ -78,8 +78,10 @@ class LlamaServer:
     """One running `llama-server` (a context manager): `complete(token_ids, ...)` returns its JSON answer."""
 
     def __init__(self, model: Path, args: Sequence[str] = (), threads: int = 0, context: int = 4096,
-                 binary: Path | None = None, retries: int = 3) -> None:
+                 binary: Path | None = None, retries: int = 3, parallel: int = 1) -> None:
+        """`context`: tokens in all; `parallel` slots (requests decoded together) share it."""
         self.model, self.args, self.threads, self.context = Path(model), list(args), threads, context
+        self.parallel = parallel
         self.binary = binary or find_llama_server()
         self.retries = retries
         self.process: subprocess.Popen | None = None
@@ -89,7 +91,7 @@ class LlamaServer:
     def command(self, port: int) -> list[str]:
         """The server's command line on `port`."""
         cmd = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(port),
-               "-c", str(self.context), "-np", "1", "--no-webui", *self.args]
+               "-c", str(self.context), "-np", str(self.parallel), "--no-webui", *self.args]
         return cmd + (["-t", str(self.threads)] if self.threads else [])
 
     def __enter__(self) -> LlamaServer:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from mmvsd.errors import UserError
 from mmvsd.eval.bench_cli import add_bench_parser, run_bench_command
+from mmvsd.eval.regenerate_cli import add_regenerate_parser, run_regenerate_command
 from mmvsd.files import atomic_file
 from mmvsd.layouts.export_cli import add_export_parser
 from mmvsd.placement import add_device_argument, add_placement_arguments, half_precision_warning, placement
@@ -198,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_train(sub)
     _add_prepare(sub)
+    add_regenerate_parser(sub)
     _add_lab(sub)
     _add_adapters(sub)
     _add_eval_drafter(sub)
@@ -422,6 +424,7 @@ def run_lab(args: argparse.Namespace) -> None:
 
 
 COMMANDS = {"generate": run_generate, "train": run_train, "prepare": run_prepare, "lab": run_lab,
+            "regenerate": run_regenerate_command,
             "adapters": run_adapters, "export": run_export, "bench": run_bench_command, "profile": run_profile,
             "eval-drafter": run_eval_drafter, "drafters": run_drafters}
 

@@ -190,7 +190,8 @@ def test_llava_instruct_image_paths(tmp_path):
     ("empty.json", "", "empty"),
     ("blank.jsonl", "  \n\n", "empty"),
     ("prose.json", "hello world", "not JSON"),
-    ("corrupt.json", '[{"id": "a", "conversations": [}]', "not valid JSON"),
+    ("corrupt.json", '[{"id": "a", "conversations": [}]', "not valid JSON in record 1"),
+    ("third_bad.json", json.dumps(RECORDS[:2])[:-1] + ', {"id": "x", "conversations": [}]', "record 3"),
     ("truncated.json", json.dumps(RECORDS)[:-40], "not valid JSON"),
     ("corrupt.jsonl", json.dumps(RECORDS[0]) + "\n{not json\n", "line 2 is not valid JSON"),
     ("no_assistant.jsonl", json.dumps(sharegpt_record("x", ("human", "hi"))) + "\n", "no usable conversations"),
@@ -208,7 +209,7 @@ def test_bad_files_raise_user_error_naming_the_file(tmp_path, name, content, mes
 def test_bad_specs_raise_user_error(tmp_path):
     with pytest.raises(UserError, match="not found.*nope.json"):
         load_conversations(str(tmp_path / "nope.json"))
-    with pytest.raises(UserError, match="not a file"):
+    with pytest.raises(UserError, match="holds no .jsonl files"):
         load_conversations(str(tmp_path))
     with pytest.raises(UserError, match="unknown dataset 'hf'"):
         load_conversations("hf:foo/bar")
@@ -382,3 +383,24 @@ def test_a_dataset_file_with_a_plus_in_its_path_is_one_spec_not_a_mixture(tmp_pa
     assert data_specs(f"{tmp_path / 'a.jsonl'}+sharegpt") == [str(tmp_path / "a.jsonl"), "sharegpt"]
     # no such file: a mixture
     assert data_specs(f"{folder}/missing.jsonl") == [str(tmp_path / "ce"), "vsd/missing.jsonl"]
+
+
+def test_a_folder_reads_its_jsonl_files_in_order_and_skips_a_line_being_written(tmp_path):
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    (folder / "shard-00001.jsonl").write_text(json.dumps(RECORDS[1]) + "\n" + '{"id": "half", "conv')
+    (folder / "shard-00000.jsonl").write_text(json.dumps(RECORDS[0]) + "\n")
+    (folder / "notes.txt").write_text("not read")
+    assert [c.conv_id for c in load_conversations(str(folder))] == [RECORDS[0]["id"], RECORDS[1]["id"]]
+    (folder / "shard-00000.jsonl").write_text(json.dumps(RECORDS[0]) + "\n{broken\n")
+    with pytest.raises(UserError, match="shard-00000.jsonl line 2"):
+        load_conversations(str(folder))
+
+
+def test_regenerated_records_read_as_conversations(tmp_path):
+    path = tmp_path / "regen.jsonl"
+    record = {"conv_id": "r1", "status": "complete", "image": None,
+              "turns": [{"role": "user", "text": "hi"}, {"role": "assistant", "text": "hello"}]}
+    path.write_text(json.dumps(record) + "\n")
+    [conv] = load_conversations(str(path))
+    assert conv.conv_id == "r1" and [(t.role, t.text) for t in conv.turns] == [("user", "hi"), ("assistant", "hello")]

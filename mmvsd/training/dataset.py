@@ -60,7 +60,7 @@ def data_specs(data: str) -> list[str]:
         whole = parse_dataset_spec(data)[1]
     except UserError:
         whole = None
-    if whole is not None and whole.is_file():
+    if whole is not None and whole.exists():
         return [data.strip()]
     specs = [spec.strip() for spec in data.split("+")]
     if not all(specs):

@@ -155,6 +155,14 @@ class _Rebuild:
         del self.turns[(answered[-1] + 1 if answered else 0):]
 
 
+def first_prompt(target: Target, conv: Conversation, max_new_tokens: int, max_prompt_tokens: int | None = None,
+                 adapter: ModalityAdapter | None = None) -> Prompt | None:
+    """The prompt of a conversation's first answer, as regeneration builds it (None: it would stop first)."""
+    job = _Rebuild(conv)
+    job.next_answer(target, max_new_tokens, max_prompt_tokens, adapter)
+    return job.prompt
+
+
 def source_digest(conv: Conversation) -> str:
     """Short digest of an input conversation's turns and image, stored with its cache line."""
     payload = json.dumps([[turn.role, turn.text] for turn in conv.turns] + [conv.image], ensure_ascii=False)
@@ -162,12 +170,13 @@ def source_digest(conv: Conversation) -> str:
 
 
 def cache_key(target: Target, temperature: float, max_new_tokens: int, seed: int,
-              max_prompt_tokens: int | None = None, adapter: str = "") -> dict[str, Any]:
+              max_prompt_tokens: int | None = None, adapter: str = "", engine: str = "") -> dict[str, Any]:
     """The settings a cache line was generated with; lines with another key are refused. `adapter`: the
-    modality adapter that fed the images (only where images were seen, so text-only keys stay as they were)."""
+    modality adapter that fed the images, `engine`: an engine other than mmvsd's decoding (each only where it
+    applies, so the keys of earlier text-only mmvsd runs stay as they were)."""
     key = {"target": target.name, "temperature": float(temperature), "max_new_tokens": int(max_new_tokens),
            "max_prompt_tokens": max_prompt_tokens, "seed": int(seed)}
-    return {**key, "adapter": adapter} if adapter else key
+    return {**key, **({"adapter": adapter} if adapter else {}), **({"engine": engine} if engine else {})}
 
 
 def default_cache_path(key: dict[str, Any]) -> Path:
@@ -233,23 +242,42 @@ def answer_budget(prompt_len: int, max_new_tokens: int, max_prompt_tokens: int |
     return max(1, min(max_new_tokens, max_prompt_tokens - prompt_len + BUDGET_MARGIN))
 
 
-def _answer_pool(target: Target, jobs: list[_Rebuild], temperature: float, max_new_tokens: int,
+# (prompts, token budgets, temperature, per-answer seeds) -> each answer's token ids; the engine that answers
+AnswerFn = Callable[[list[Prompt], list[int], float, list[int]], list[list[int]]]
+
+
+def mmvsd_answers(target: Target) -> AnswerFn:
+    """Answers from mmvsd's own decoding of `target` (exact, images included): one batched call at T = 0, one
+    call per answer at T > 0 (a call seeds all its rows from one seed, so rows of one call would draw alike)."""
+
+    def answer(prompts: list[Prompt], budgets: list[int], temperature: float, seeds: list[int]) -> list[list[int]]:
+        groups = [list(range(len(prompts)))] if temperature == 0 else [[i] for i in range(len(prompts))]
+        answers: list[list[int]] = [[] for _ in prompts]
+        for group in groups:
+            config = DecodeConfig(max_new_tokens=max(budgets[i] for i in group), temperature=temperature,
+                                  seed=seeds[group[0]])
+            results = vanilla_generate(target, [prompts[i] for i in group], config,
+                                       row_max_new_tokens=[budgets[i] for i in group])
+            for i, result in zip(group, results):
+                answers[i] = list(result.output_ids)
+        return answers
+
+    return answer
+
+
+def _answer_pool(target: Target, jobs: list[_Rebuild], answer: AnswerFn, temperature: float, max_new_tokens: int,
                  max_prompt_tokens: int | None, seed: int, stats: RegenerateStats) -> None:
-    """Generate the pending answer of every job: one batched call at T = 0, one call per job at T > 0."""
-    groups = [jobs] if temperature == 0 else [[job] for job in jobs]
-    for group in groups:
-        call_seed = seed if temperature == 0 else group[0].answer_seed(seed)
-        config = DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=call_seed)
-        budgets = [answer_budget(len(job.prompt.token_ids), max_new_tokens, max_prompt_tokens) for job in group]
-        results = vanilla_generate(target, [job.prompt for job in group], config, row_max_new_tokens=budgets)
-        for job, result in zip(group, results):
-            job.add_answer(target.decode(result.output_ids))
-            stats.num_tokens += len(result.output_ids)
+    """Generate the pending answer of every job (seeds: the run's seed at T = 0, one per answer at T > 0)."""
+    budgets = [answer_budget(len(job.prompt.token_ids), max_new_tokens, max_prompt_tokens) for job in jobs]
+    seeds = [seed if temperature == 0 else job.answer_seed(seed) for job in jobs]
+    for job, output_ids in zip(jobs, answer([job.prompt for job in jobs], budgets, temperature, seeds)):
+        job.add_answer(target.decode(output_ids))
+        stats.num_tokens += len(output_ids)
     stats.num_answers += len(jobs)
 
 
 def _run_pool(target: Target, pending: list[Conversation], on_finish: Callable[[_Rebuild], None], *,
-              temperature: float, max_new_tokens: int, max_prompt_tokens: int | None, batch_size: int,
+              answer: AnswerFn, temperature: float, max_new_tokens: int, max_prompt_tokens: int | None, batch_size: int,
               seed: int, stats: RegenerateStats, adapter: ModalityAdapter | None) -> None:
     """Rebuild `pending` with up to `batch_size` conversations in flight (answers counted in `stats`)."""
     queue = deque(_Rebuild(conv) for conv in pending)
@@ -264,7 +292,7 @@ def _run_pool(target: Target, pending: list[Conversation], on_finish: Callable[[
                 active.append(job)
         if not active:
             continue
-        _answer_pool(target, active, temperature, max_new_tokens, max_prompt_tokens, seed, stats)
+        _answer_pool(target, active, answer, temperature, max_new_tokens, max_prompt_tokens, seed, stats)
         still_active = []
         for job in active:
             if job.status is None:
@@ -302,17 +330,22 @@ def regenerate_conversations(
     progress: bool = True,
     stats: RegenerateStats | None = None,
     adapter: ModalityAdapter | None = None,
+    answer: AnswerFn | None = None,
+    engine: str = "",
 ) -> list[Conversation]:
     """The conversations with every assistant turn rewritten by the target, in input order (resumable via the cache).
 
     `cache_path` None: the shared cache of these settings under the mmvsd cache (`default_cache_path`).
     `adapter`: shows the images of conversations that have one (needed when any has).
+    `answer`: the engine that writes the answers (default `mmvsd_answers(target)`, exact); another engine names
+    itself in `engine`, which joins the cache key, so its answers never mix with another engine's.
     """
     _check_inputs(target, conversations, batch_size, adapter)
     DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature)  # validates both
     stats = stats if stats is not None else RegenerateStats()
     sees_images = adapter is not None and any(conv.image for conv in conversations)
-    key = cache_key(target, temperature, max_new_tokens, seed, max_prompt_tokens, adapter.name if sees_images else "")
+    key = cache_key(target, temperature, max_new_tokens, seed, max_prompt_tokens, adapter.name if sees_images else "",
+                    engine)
     cache_path = Path(cache_path) if cache_path is not None else default_cache_path(key)
     records = read_cache(cache_path, key)
     conv_keys = [(conv.conv_id, source_digest(conv)) for conv in conversations]
@@ -333,9 +366,9 @@ def regenerate_conversations(
             stats.num_regenerated += 1
             bar.update(1)
 
-        _run_pool(target, pending, on_finish, temperature=temperature, max_new_tokens=max_new_tokens,
-                  max_prompt_tokens=max_prompt_tokens, batch_size=batch_size, seed=seed, stats=stats,
-                  adapter=adapter)
+        _run_pool(target, pending, on_finish, answer=answer or mmvsd_answers(target), temperature=temperature,
+                  max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens, batch_size=batch_size,
+                  seed=seed, stats=stats, adapter=adapter)
     results = _collect(unique, records, stats)
     logger.info("%s (cache %s)", stats.summary(), cache_path)
     return [results[conv_key] for conv_key in conv_keys if conv_key in results]
