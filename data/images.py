@@ -16,9 +16,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import random
-import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +36,7 @@ from mmvsd.data.image_photos import render_vqav2, vqav2_item
 from mmvsd.data.image_science import render_science_figure, scienceqa_item
 from mmvsd.data.image_text import render_text_scene, textvqa_item
 from mmvsd.errors import UserError
+from mmvsd.files import atomic_file
 
 SPLITS = ("train", "validation", "test")
 LONG_INSTRUCTION = ("Describe the image in detail and explain your reasoning step by step "
@@ -161,14 +160,8 @@ def answer_sentence(item: ImageItem) -> str:
 
 def _write_atomic(path: Path, payload: bytes) -> None:
     """Write to a temporary file in the same folder, then rename it over ``path``."""
-    handle, temp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as temp_file:
-            temp_file.write(payload)
-        os.replace(temp_name, path)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
-        raise
+    with atomic_file(path, "wb") as handle:
+        handle.write(payload)
 
 
 def write_items(items: Iterable[ImageItem], out_dir: Path, fmt: str = "json") -> Path:

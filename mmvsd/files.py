@@ -33,18 +33,26 @@ def atomic_dir(out_dir: str | Path) -> Iterator[Path]:
 
 
 @contextmanager
-def atomic_file(path: str | Path, mode: str = "w") -> Iterator:
-    """Open a temporary file next to `path` for writing; rename it to `path` when closed cleanly."""
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary file name next to `path` for a writer that wants a name (safetensors, an exporter's
+    folder); renamed to `path` when the block ends cleanly, removed otherwise."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, mode) as handle:
-            yield handle
+        yield Path(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def atomic_file(path: str | Path, mode: str = "w") -> Iterator:
+    """Open a temporary file next to `path` for writing; rename it to `path` when closed cleanly."""
+    with atomic_path(path) as tmp, open(tmp, mode) as handle:
+        yield handle
 
 
 def file_sha256(path: str | Path) -> str:

@@ -4,14 +4,13 @@ speculators, ...), atomically, refusing to overwrite what it should not."""
 from __future__ import annotations
 
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
 from mmvsd.checkpoints import read_config
 from mmvsd.drafter_base import load_drafter
 from mmvsd.errors import UserError
-from mmvsd.files import atomic_dir
+from mmvsd.files import atomic_dir, atomic_path
 from mmvsd.layouts.registry import layout, layouts_for
 from mmvsd.target import Target
 from mmvsd.target_loader import load_target
@@ -52,13 +51,10 @@ def export_drafter(
         with atomic_dir(out_dir) as tmp:
             chosen.export_for(drafter, tmp, target, **options)
         return out_dir
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:  # the file appears whole under its name, or not at all
-        chosen.export_for(drafter, tmp, target, **options)
-        os.replace(tmp / chosen.single_file, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with atomic_path(out_dir) as file, tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.",
+                                                                   dir=out_dir.parent) as scratch:
+        chosen.export_for(drafter, Path(scratch), target, **options)  # the file appears whole, or not at all
+        os.replace(Path(scratch) / chosen.single_file, file)
     return out_dir
 
 

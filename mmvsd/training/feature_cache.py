@@ -20,8 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -38,7 +36,7 @@ from tqdm.auto import tqdm
 
 from mmvsd.data.render import RenderedExample
 from mmvsd.errors import UserError
-from mmvsd.files import atomic_file
+from mmvsd.files import atomic_file, atomic_path
 from mmvsd.target import Target
 from mmvsd.training.features import FeatureBatch, TokenBatch, capture_features, collate
 
@@ -246,14 +244,8 @@ def capture_shard(
 
 def save_shard(tensors: dict[str, Tensor], path: Path) -> None:
     """Write a safetensors file under a temporary name, then rename it to `path`."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         save_file(tensors, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def write_feature_cache(
