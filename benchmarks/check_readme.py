@@ -9,6 +9,7 @@ both ignored by git); a command whose output folder exists is skipped, so a seco
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import subprocess
 import sys
@@ -16,8 +17,20 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-from test_readme import readme_commands  # noqa: E402  (the README parser the tests use)
+README = ROOT / "README.md"
+
+
+def readme_commands(text: str | None = None) -> list[str]:
+    """The shell commands of the README's bash blocks, continuation lines joined, comments dropped (the
+    tests parse the README with it too: tests/test_readme.py)."""
+    text = README.read_text() if text is None else text
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, re.DOTALL):
+        for command in re.sub(r"\s*\\\n\s*", " ", block).splitlines():
+            command = command.split(" #", 1)[0].strip()
+            if command and not command.startswith("#"):
+                commands.append(command)
+    return commands
 
 
 def output_folder(argv: list[str]) -> Path | None:

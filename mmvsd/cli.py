@@ -16,6 +16,7 @@ from mmvsd.eval.regenerate_cli import add_regenerate_parser, run_regenerate_comm
 from mmvsd.files import atomic_file
 from mmvsd.layouts.export_cli import add_export_parser
 from mmvsd.placement import add_device_argument, add_placement_arguments, half_precision_warning, placement
+from mmvsd.plugins import add_plugin_commands
 from mmvsd.prompts import read_prompt_file
 from mmvsd.training.terms import TERMS, objective_help
 from mmvsd.tree_options import add_tree_arguments, tree_for_prompts, tree_spec_from_args
@@ -150,30 +151,6 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     add_placement_arguments(p)
 
 
-def _add_lab(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("lab", help="build the embedded CPU targets (smol-llava)")
-    lab = p.add_subparsers(dest="lab_command", required=True)
-    b = lab.add_parser("build-target", help="train smol-llava's projector on the CPU and install it in the mmvsd cache",
-                       description="Assemble smol-llava (EfficientNet-Lite0 + SmolLM2-135M) and train its projector "
-                                   "within the time budget; --target smol-llava then uses it.")
-    b.add_argument("name", choices=["smol-llava"])
-    b.add_argument("--minutes", type=float, default=28.0, help="time budget of the whole build (default 28)")
-    b.add_argument("--max-steps", type=int, default=0, help="stop after N steps instead of at the time budget")
-    b.add_argument("--num-images", type=_positive_int, default=2400, help="generated training images (default 2400)")
-    b.add_argument("--easy-vqa-images", type=int, default=4000,
-                   help="easy-vqa train images among the training conversations (default 4000, all; 0: none)")
-    b.add_argument("--plain-images", type=int, default=800,
-                   help="images of one large shape on a plain background in the generator's colours (default 800)")
-    b.add_argument("--align-steps", type=int, default=800, help="steps of the first stage (per-patch word targets)")
-    b.add_argument("--lora-rank", type=int, default=8,
-                   help="rank of the language model's low-rank adapters trained in the second stage "
-                        "(0: projector only)")
-    b.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
-                   help="second-stage compute type (auto: bf16 where this CPU measures it faster)")
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--output", help="projector folder (default: the mmvsd cache, which --target smol-llava uses)")
-
-
 class VersionAction(argparse.Action):
     """`mmvsd --version`: mmvsd's version and torch/transformers/accelerate's in use, with one warning line
     on stderr when any of them differs from what CI tested (mmvsd/constraints.txt)."""
@@ -200,13 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_prepare(sub)
     add_regenerate_parser(sub)
-    _add_lab(sub)
     _add_adapters(sub)
     _add_eval_drafter(sub)
     _add_drafters(sub)
     add_export_parser(sub)
     add_bench_parser(sub)
     _add_profile(sub)
+    add_plugin_commands(sub)  # commands of other packages (entry points `mmvsd.commands`), e.g. the studies' `lab`
     return parser
 
 
@@ -404,27 +381,7 @@ def run_prepare(args: argparse.Namespace) -> None:
     prepare_feature_cache(config, dtype=args.dtype, assume_yes=args.yes, device=placement(args.device)[1])
 
 
-def run_lab(args: argparse.Namespace) -> None:
-    """`mmvsd lab build-target smol-llava`: train the projector and say where it went."""
-    from mmvsd.lab.projector_training import ProjectorTraining, build_projector  # CLI start-up: loaded per command
-    from mmvsd.lab.smol_llava import built_projector_dir  # CLI start-up: loaded per command
-
-    counts = (args.max_steps, args.align_steps, args.lora_rank, args.easy_vqa_images, args.plain_images)
-    if min(counts) < 0 or args.minutes <= 0:
-        raise UserError("--minutes must be > 0, --max-steps, --align-steps, --lora-rank, --easy-vqa-images and "
-                        "--plain-images >= 0")
-    settings = ProjectorTraining(minutes=args.minutes, max_steps=args.max_steps, num_images=args.num_images,
-                                 easy_vqa_images=args.easy_vqa_images, plain_images=args.plain_images,
-                                 align_steps=args.align_steps,
-                                 lora_rank=args.lora_rank, precision=args.precision, seed=args.seed)
-    output = Path(args.output) if args.output else built_projector_dir()
-    build_projector(settings, output)
-    print(f"smol-llava projector written to {output}"
-          + ("; --target smol-llava now uses it" if not args.output else ""))
-
-
-COMMANDS = {"generate": run_generate, "train": run_train, "prepare": run_prepare, "lab": run_lab,
-            "regenerate": run_regenerate_command,
+COMMANDS = {"generate": run_generate, "train": run_train, "prepare": run_prepare, "regenerate": run_regenerate_command,
             "adapters": run_adapters, "export": run_export, "bench": run_bench_command, "profile": run_profile,
             "eval-drafter": run_eval_drafter, "drafters": run_drafters}
 
@@ -439,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
     if overrides:
         args.overrides = [*args.overrides, *overrides]  # key=value after later flags
     try:
-        COMMANDS[args.command](args)
+        handler = getattr(args, "handler", None) or COMMANDS[args.command]  # a plugin's command sets its own
+        handler(args)
     except UserError as err:
         print(f"mmvsd: error: {err}", file=sys.stderr)
         return 2

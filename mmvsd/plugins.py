@@ -1,16 +1,31 @@
 """Plugins: packages that register drafters, checkpoint layouts and prompt sets into the core's registries when
 imported. The built-in ones (`mmvsd.drafters`, `mmvsd.eval.prompt_sets`) and any other package's are named in
 the entry-point group `mmvsd.plugins`; a registry imports them on its first lookup, so the core never names them.
+
+Two more groups extend mmvsd from outside: `mmvsd.targets` (a named `--target`, mmvsd.target_loader) and
+`mmvsd.commands` (a subcommand of `mmvsd`: the entry point is a function of argparse's subparsers action that adds
+its parser and sets `handler=FUNCTION(args)` on it; `add_plugin_commands`). The studies (studies/, the
+distribution mmvsd-studies) add the target `smol-llava` and the command `mmvsd lab` this way.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import logging
+from collections.abc import Callable
+
+from mmvsd.errors import UserError
 
 ENTRY_POINT_GROUP = "mmvsd.plugins"
+COMMANDS_ENTRY_POINT = "mmvsd.commands"
 LOG = logging.getLogger(__name__)
 _state = {"loaded": False}
+# Names users meet in mmvsd's docs that come from a plugin distribution of this repository, with the command that
+# installs it: naming one while its plugin is absent ends in this hint, not in "unknown target" or "invalid choice".
+STUDIES_INSTALL = "pip install -e ./studies  (the studies plugin, mmvsd-studies, in mmvsd's repository)"
+PLUGIN_COMMANDS = {"lab": STUDIES_INSTALL}
+PLUGIN_TARGETS = {"smol-llava": STUDIES_INSTALL}
 
 
 def load_plugins() -> None:
@@ -25,3 +40,27 @@ def load_plugins() -> None:
         except Exception as err:  # noqa: BLE001  reported, then the other plugins still load
             LOG.warning("mmvsd plugin %s (%s) failed to import: %s: %s", entry.name, entry.value,
                         type(err).__name__, err)
+
+
+def add_plugin_commands(sub: argparse._SubParsersAction) -> None:
+    """Let every `mmvsd.commands` entry point add its subcommand to `sub` (one that fails is logged and skipped);
+    then a PLUGIN_COMMANDS name that none added gets a stand-in that says how to install its plugin."""
+    for entry in importlib.metadata.entry_points(group=COMMANDS_ENTRY_POINT):
+        try:
+            entry.load()(sub)
+        except Exception as err:  # noqa: BLE001  reported, then mmvsd's own commands still work
+            LOG.warning("mmvsd command plugin %s (%s) failed to load: %s: %s", entry.name, entry.value,
+                        type(err).__name__, err)
+    for name, install in PLUGIN_COMMANDS.items():
+        if name not in sub.choices:
+            stand_in = sub.add_parser(name, help=f"(not installed: {install})", add_help=False)
+            stand_in.add_argument("arguments", nargs=argparse.REMAINDER)
+            stand_in.set_defaults(handler=_not_installed(f"`mmvsd {name}` comes with a plugin that is not installed; "
+                                                         f"install it with: {install}"))
+
+
+def _not_installed(message: str) -> Callable[[argparse.Namespace], None]:
+    def handler(args: argparse.Namespace) -> None:
+        raise UserError(message)
+
+    return handler

@@ -20,6 +20,7 @@ import torch
 from mmvsd.checkpoints import hf_cache_snapshot, hf_hub_cache
 from mmvsd.errors import UserError
 from mmvsd.files import atomic_dir, atomic_file, cache_root
+from mmvsd.plugins import PLUGIN_TARGETS
 from mmvsd.target import Target
 
 
@@ -95,8 +96,8 @@ def register_target(target: BuiltinTarget) -> BuiltinTarget:
 
 
 def builtin_targets() -> dict[str, BuiltinTarget]:
-    """Every named target: mmvsd's own and those other packages (and mmvsd's lab) register through the
-    `mmvsd.targets` entry points, loaded once."""
+    """Every named target: mmvsd's own and those other packages (such as the studies' smol-llava) register
+    through the `mmvsd.targets` entry points, loaded once."""
     global _entry_points_loaded
     if not _entry_points_loaded:
         _entry_points_loaded = True
@@ -150,6 +151,9 @@ def resolve_target_folder(spec: str) -> Path:
         return path
     if "/" in spec and not spec.startswith((".", "/", "~")) and spec.count("/") == 1:
         return _hf_cache_folder(spec, f"download {spec} into the HF cache, or pass a local folder")
+    if spec in PLUGIN_TARGETS:
+        raise UserError(f"target {spec!r} comes with a plugin that is not installed; install it with: "
+                        f"{PLUGIN_TARGETS[spec]}")
     names = ", ".join(sorted(builtins))
     raise UserError(f"unknown target {spec!r}: not a built-in name ({names}), a folder, a .gguf file or an HF id")
 

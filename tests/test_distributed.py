@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_train import write_sharegpt
 
-from conftest import save_tiny_target
+from conftest import save_tiny_target, write_sharegpt
 from mmvsd.cli import main
 from mmvsd.errors import UserError
 from mmvsd.training import trainer

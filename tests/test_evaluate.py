@@ -246,7 +246,7 @@ def test_eval_drafter_bad_input(tiny_dir, tmp_path, capsys, monkeypatch, extra, 
 
 
 def test_trainer_logs_validation_tau(tiny_dir, tmp_path, capsys, monkeypatch):
-    from test_train import TINY, write_sharegpt
+    from conftest import TINY, write_sharegpt
 
     monkeypatch.setenv("MMVSD_CACHE", str(tmp_path / "cache"))
     data = write_sharegpt(tmp_path / "data.json")

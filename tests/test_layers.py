@@ -1,10 +1,13 @@
 """Imports run one way, as docs/architecture.md's layer map says: the core imports none of `drafters/ data/ eval/
-adapters/`; those import the core alone; training sits above them; `eval/`, the CLI and the lab sit on top.
+adapters/`; those import the core alone; training sits above them; `eval/` and the CLI sit on top; the studies
+(studies/) sit above the package, which never imports them, nor `benchmarks/` or `tests/`, nor edits `sys.path`.
 Every runtime import counts, function-level ones included (typing-only ones do not)."""
 
 from __future__ import annotations
 
+import ast
 import re
+from pathlib import Path
 
 import pytest
 from test_imports import ROOT, package_modules, runtime_imports
@@ -12,12 +15,12 @@ from test_imports import ROOT, package_modules, runtime_imports
 # (layer, rank, what belongs to it); a module may import its own layer's modules and lower ranks' only. The
 # plugin folders may each import the core and themselves, not one another.
 LAYERS = [
-    ("core", 0, re.compile(r"mmvsd(\.(?!cli$|__main__$|eval\b|lab\b|training\b|drafters\b|adapters\b|data\b)\w+.*)?$")),
+    ("core", 0, re.compile(r"mmvsd(\.(?!cli$|__main__$|eval\b|training\b|drafters\b|adapters\b|data\b)\w+.*)?$")),
     ("drafters", 1, re.compile(r"mmvsd\.drafters\b")),
     ("adapters", 1, re.compile(r"mmvsd\.adapters\b")),
     ("data", 1, re.compile(r"mmvsd\.data\b")),
     ("training", 2, re.compile(r"mmvsd\.training\b")),
-    ("top", 3, re.compile(r"mmvsd\.(eval\b|lab\b|cli$|__main__$)")),
+    ("top", 3, re.compile(r"mmvsd\.(eval\b|cli$|__main__$)")),
 ]
 
 
@@ -38,7 +41,7 @@ def test_the_map_places_each_folder():
     assert layer_of("mmvsd.layouts.registry") == ("core", 0) and layer_of("mmvsd.configs") == ("core", 0)
     assert layer_of("mmvsd.drafters.eagle3")[0] == "drafters" and layer_of("mmvsd.data.images")[0] == "data"
     assert layer_of("mmvsd.training.trainer") == ("training", 2) and layer_of("mmvsd.cli") == ("top", 3)
-    assert layer_of("mmvsd.eval.bench") == ("top", 3) and layer_of("mmvsd.lab.smol_llava") == ("top", 3)
+    assert layer_of("mmvsd.eval.bench") == ("top", 3) and layer_of("mmvsd.plugins") == ("core", 0)
     assert not allowed("mmvsd.decoding.decode", "mmvsd.drafters.ngram")
     assert not allowed("mmvsd.drafters.eagle3", "mmvsd.data.images")
     assert not allowed("mmvsd.training.trainer", "mmvsd.eval.suites")
@@ -55,10 +58,58 @@ def test_imports_run_one_way(name):
 def test_the_architecture_doc_shows_the_map():
     text = (ROOT / "docs" / "architecture.md").read_text()
     for folder in ("mmvsd/decoding/", "mmvsd/training/", "mmvsd/layouts/", "drafters/", "adapters/", "data/",
-                   "eval/", "mmvsd/lab/"):
+                   "eval/", "studies/"):
         assert f"`{folder}`" in text, f"docs/architecture.md's layer map does not place {folder}"
 
 
 def test_the_core_stays_small_at_its_top_level():
-    top = [path for path in (ROOT / "mmvsd").glob("*.py")]
-    assert len(top) <= 16, sorted(p.name for p in top)
+    top = [path for path in (ROOT / "mmvsd").glob("*.py") if path.name != "__init__.py"]
+    assert len(top) <= 15, sorted(p.name for p in top)  # issue 55: at most 15 top-level modules
+
+
+# what only a checkout has, never an install: the studies plugin, the scripts of benchmarks/ and the tests
+OUTSIDE_THE_PACKAGE = {"studies", "mmvsd_studies", "benchmarks", "tests", "conftest",
+                       *(path.stem for path in (ROOT / "benchmarks").glob("*.py")),
+                       *(path.stem for path in (ROOT / "tests").glob("*.py"))}
+
+
+def imports_from_outside_or_sys_path(path: Path, own: str = "") -> list[str]:
+    """Where `path` imports a module of OUTSIDE_THE_PACKAGE (or a `test_*` module) other than its own package
+    `own`, or touches `sys.path`."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] if not node.level else []
+            if node.module == "sys":
+                names += [f"sys.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", "") == "sys":
+            names = ["sys.path"]
+        else:
+            continue
+        where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        found += [f"{where}:{node.lineno}: {name}" for name in names
+                  if name == "sys.path" or (name.split(".")[0] in OUTSIDE_THE_PACKAGE - {own})
+                  or name.startswith("test_")]
+    return found
+
+
+def test_the_check_finds_imports_from_outside_and_sys_path(tmp_path):
+    (tmp_path / "m.py").write_text("import sys\nimport os.path\nfrom tests.conftest import x\n"
+                                   "import mmvsd_studies.lab\nfrom sys import path\nfrom . import studies\n"
+                                   "from gpu_smoke import run\nsys.path.insert(0, 'x')\nimport test_train\n")
+    found = [line.split(": ", 1)[1] for line in imports_from_outside_or_sys_path(tmp_path / "m.py")]
+    assert sorted(found) == ["gpu_smoke", "mmvsd_studies.lab", "sys.path", "sys.path", "test_train", "tests.conftest"]
+    assert "mmvsd_studies.lab" not in str(imports_from_outside_or_sys_path(tmp_path / "m.py", own="mmvsd_studies"))
+
+
+def test_the_package_imports_nothing_of_the_checkout_and_leaves_sys_path_alone():
+    """No module of the package (mmvsd/, drafters/, data/, eval/, adapters/, configs/) imports the studies,
+    benchmarks/ or tests/, or edits `sys.path`; the studies (a plugin on the public API) import no script of
+    benchmarks/ or tests/ and leave `sys.path` alone too."""
+    studies = sorted((ROOT / "studies" / "mmvsd_studies").rglob("*.py"))
+    assert studies, "studies/mmvsd_studies is missing"
+    found = [*(hit for path in package_modules().values() for hit in imports_from_outside_or_sys_path(path)),
+             *(hit for path in studies for hit in imports_from_outside_or_sys_path(path, own="mmvsd_studies"))]
+    assert not found, f"imports from outside the package, or sys.path edits: {found}"

@@ -52,3 +52,41 @@ def test_another_package_registers_a_drafter_and_a_broken_one_is_only_logged(fre
         cls = drafter_base.drafter_class("theirs")
     assert cls.__name__ == "TheirDrafter" and cls.__module__ == "their_plugin"
     assert "plugin broken (no_such_module_anywhere) failed to import: ModuleNotFoundError" in caplog.text
+
+
+def test_another_package_adds_a_command_and_a_broken_one_is_only_logged(monkeypatch, tmp_path, capsys, caplog):
+    """The `mmvsd.commands` hook: an entry point adds its subparser and sets its handler (as the studies' `lab`)."""
+    from mmvsd.cli import main
+
+    (tmp_path / "their_command.py").write_text(
+        "def add(sub):\n    p = sub.add_parser('greet')\n    p.add_argument('name')\n"
+        "    p.set_defaults(handler=lambda args: print('hello', args.name))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "their_command", raising=False)
+    entries = {plugins.COMMANDS_ENTRY_POINT: [EntryPoint("broken", "no_such_module_anywhere:add", "mmvsd.commands"),
+                                              EntryPoint("greet", "their_command:add", "mmvsd.commands")]}
+    monkeypatch.setattr(plugins.importlib.metadata, "entry_points", lambda group: entries.get(group, []))
+    with caplog.at_level(logging.WARNING, logger="mmvsd.plugins"):
+        assert main(["greet", "you"]) == 0
+    assert capsys.readouterr().out == "hello you\n"
+    assert "command plugin broken (no_such_module_anywhere:add) failed to load: ModuleNotFoundError" in caplog.text
+
+
+def test_the_studies_command_and_target_without_their_plugin_say_how_to_install_it(monkeypatch, capsys):
+    """Without the studies plugin (studies/), `mmvsd lab ...` and `--target smol-llava` end in one message naming
+    the install command, exit 2, no traceback."""
+    from mmvsd import target_loader
+    from mmvsd.cli import main
+
+    monkeypatch.setattr(plugins.importlib.metadata, "entry_points", lambda group: [])
+    assert main(["lab", "build-target", "smol-llava", "--max-steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "`mmvsd lab` comes with a plugin that is not installed" in err
+    assert "pip install -e ./studies" in err
+    targets = {name: target for name, target in target_loader.BUILTIN_TARGETS.items() if name != "smol-llava"}
+    monkeypatch.setattr(target_loader, "BUILTIN_TARGETS", targets)  # as in a process where no plugin registered it
+    monkeypatch.setattr(target_loader, "_entry_points_loaded", True)
+    assert main(["generate", "--target", "smol-llava", "--drafter", "none", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "target 'smol-llava' comes with a plugin that is not installed" in err
+    assert "pip install -e ./studies" in err

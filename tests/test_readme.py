@@ -12,22 +12,12 @@ import sys
 import pytest
 from test_imports import ROOT
 
+from conftest import load_benchmark_script
 from mmvsd.cli import build_parser
 
 README = ROOT / "README.md"
+readme_commands = load_benchmark_script("check_readme").readme_commands  # the README parser the docs check uses
 INPUT_FLAGS = ("--config", "--image", "--prompt-file")  # flags whose value is a file that must be there
-
-
-def readme_commands(text: str | None = None) -> list[str]:
-    """The shell commands of the README's bash blocks, continuation lines joined, comments dropped."""
-    text = README.read_text() if text is None else text
-    commands = []
-    for block in re.findall(r"```bash\n(.*?)```", text, re.DOTALL):
-        for command in re.sub(r"\s*\\\n\s*", " ", block).splitlines():
-            command = command.split(" #", 1)[0].strip()
-            if command and not command.startswith("#"):
-                commands.append(command)
-    return commands
 
 
 def mmvsd_argv(command: str) -> list[str]:

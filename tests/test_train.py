@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
@@ -11,26 +10,12 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import save_tiny_target
+from conftest import TINY, save_tiny_target, write_sharegpt
 from mmvsd.cli import main
 from mmvsd.errors import UserError
 from mmvsd.training import trainer
 from mmvsd.training.config import TrainConfig, load_train_config
 from mmvsd.training.dataset import draft_vocab_from_counts
-
-TINY = ["draft_vocab_size=64", "batch_size=2", "loss.num_samples=4", "loss.num_anchors=2", "loss.path_length=3",
-        "loss.ttt_steps=3", "progress=false", "validation_fraction=0"]
-
-
-def write_sharegpt(path: Path, num: int = 10, seed: int = 0) -> Path:
-    rng = random.Random(seed)
-    words = lambda n: " ".join(f"w{rng.randrange(4, 120)}" for _ in range(n))
-    records = [{"id": str(i),
-                "conversations": [{"from": "human", "value": words(4)}, {"from": "gpt", "value": words(10)},
-                                  {"from": "human", "value": words(3)}, {"from": "gpt", "value": words(8)}]}
-               for i in range(num)]
-    path.write_text(json.dumps(records))
-    return path
 
 
 @pytest.fixture(scope="module")
