@@ -184,6 +184,17 @@ def tiny_target() -> Target:
 PROMPT_POOL = random_prompts(8, seed=100)
 
 
+@pytest.fixture(scope="session")
+def chat_target() -> Target:
+    """A tiny random Llama with a word-level tokenizer (w0 w1 ...) that has a chat template."""
+    words = ["<unk>", "<|user|>", "<|assistant|>", "<eos>", "<|system|>"] + [f"w{i}" for i in range(123)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return Target(make_tiny_llama(), tokenizer, "tiny-chat")
+
+
 def fit_drafter_to_target(
     target: Target, prompts: list[list[int]], steps: int = 150, num_steps: int = 4, seed: int = 0
 ) -> Eagle3Drafter:

@@ -5,10 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
 
-from conftest import make_tiny_llama
 from mmvsd.data.conversations import Conversation, Turn
 from mmvsd.decoding.decode import DecodeConfig, vanilla_generate
 from mmvsd.errors import UserError
@@ -16,22 +13,7 @@ from mmvsd.target import Target
 from mmvsd.training import regenerate as regenerate_module
 from mmvsd.training.regenerate import RegenerateStats, regenerate_conversations
 
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
-)
 MAX_NEW = 10
-
-
-@pytest.fixture(scope="module")
-def chat_target() -> Target:
-    """A tiny random Llama with a word-level tokenizer (w0 w1 ...) that has a chat template."""
-    words = ["<unk>", "<|user|>", "<|assistant|>", "<eos>", "<|system|>"] + [f"w{i}" for i in range(123)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return Target(make_tiny_llama(), tokenizer, "tiny-chat")
 
 
 def conv(conv_id: str, *pairs: tuple[str, str]) -> Conversation:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_regenerate import MAX_NEW, chat_target, conv  # noqa: F401  (chat_target is a fixture)
+from test_regenerate import MAX_NEW, conv
 
 from mmvsd.data.conversations import load_conversations
 from mmvsd.errors import UserError
