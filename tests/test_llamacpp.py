@@ -19,14 +19,20 @@ from contextlib import ExitStack
 
 import pytest
 
+from conftest import save_tiny_target
+from mmvsd.adapter_base import Prompt
+from mmvsd.cli import main
+from mmvsd.data.conversations import Conversation, Turn, load_conversations
 from mmvsd.drafters.export_spec import export_spec
 from mmvsd.errors import UserError
 from mmvsd.eval import llamacpp_server
 from mmvsd.eval.bench import first_mismatch, run_bench
 from mmvsd.eval.bench_config import BenchConfig
+from mmvsd.eval.llamacpp_answers import LlamaCppAnswers
 from mmvsd.eval.llamacpp_bench import chain_args, llamacpp_methods
 from mmvsd.eval.llamacpp_server import LlamaServer, find_llama_server
 from mmvsd.target_loader import target_gguf_file
+from mmvsd.training.regenerate_shards import MANIFEST, RegenerateSettings, regenerate_dataset
 
 pytestmark = [pytest.mark.llamacpp, pytest.mark.smollm2]
 NEAR_TIE = 1.0  # logits: llama.cpp's arithmetic (8-bit activations, other reduction orders) moves them less
@@ -91,8 +97,6 @@ def test_a_refused_gguf_shows_llama_cpps_own_error(smollm2_target, tmp_path, cap
     with pytest.raises(UserError, match="llama-server refused broken.gguf") as err:
         LlamaServer(broken).start()
     assert "gguf" in str(err.value).lower() and "its last lines" in str(err.value)
-    from mmvsd.cli import main
-
     code = main(["bench", "--engine", "llama.cpp", "--target", "smollm2-135m", "--suite", "humaneval", "--limit", "1",
                  "--methods", "vanilla,assisted", "--assistant", str(broken), "--out", str(tmp_path / "b")])
     assert code == 2
@@ -169,3 +173,36 @@ def test_chain_settings():
     for bad in ("0/0.1", "x", "3/1.5"):
         with pytest.raises(UserError):
             chain_args(bad)
+
+
+def test_regeneration_with_llama_cpp_writes_shards_keyed_by_the_engine(smollm2_target, tmp_path):
+    convs = [Conversation(f"q{i}", [Turn("user", q), Turn("assistant", "old answer")]) for i, q in enumerate(QUESTIONS)]
+    prompts = [smollm2_target.encode_chat([{"role": "user", "content": q}]) for q in QUESTIONS]
+    settings = RegenerateSettings(max_new_tokens=16, max_prompt_tokens=None, batch_size=2, shard_size=1)
+    with LlamaCppAnswers(target_gguf_file("smollm2-135m"), parallel=2, context_per_slot=512) as answers:
+        stats = regenerate_dataset(smollm2_target, convs, tmp_path / "regen", data="test", settings=settings,
+                                   answer=answers, engine=answers.engine, progress=False)
+        got = answers([Prompt(ids) for ids in prompts], [16, 16], 0.0, [0, 0])
+    with LlamaServer(target_gguf_file("smollm2-135m")) as plain:  # one slot: llama.cpp's own plain decoding
+        expected = [plain.complete(ids, 16)["tokens"] for ids in prompts]
+    for prompt, want, have in zip(prompts, expected, got):  # parallel slots decode as one slot (near-ties aside)
+        mismatch = first_mismatch(smollm2_target, prompt, want, have, turn=0)
+        assert mismatch is None or mismatch["logit_margin"] < NEAR_TIE, mismatch
+    assert stats.num_regenerated == 2 and 0 < stats.num_tokens <= 32
+    manifest = json.loads((tmp_path / "regen" / MANIFEST).read_text())
+    assert manifest["key"]["engine"].startswith("llama.cpp:") and manifest["num_shards"] == 2
+    read = load_conversations(str(tmp_path / "regen"))
+    assert [c.conv_id for c in read] == ["q0", "q1"]
+    assert all(c.turns[1].role == "assistant" and c.turns[1].text.strip() not in ("", "old answer") for c in read)
+    assert not [p for p in psutil_children() if "llama-server" in p]
+
+
+def test_regenerate_command_refuses_llama_cpp_without_a_gguf_target(tmp_path, capsys):
+    folder = save_tiny_target(tmp_path / "tiny")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"conversations": [{"from": "human", "value": "w1"}, {"from": "gpt", "value": "w2"}]})
+                    + "\n")
+    code = main(["regenerate", "--target", str(folder), "--data", str(data), "--output", str(tmp_path / "out"),
+                 "--engine", "llama.cpp", "--dtype", "fp32"])
+    assert code == 2 and "needs a GGUF target" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
