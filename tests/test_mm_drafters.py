@@ -381,6 +381,23 @@ def test_regeneration_answers_each_image_conversation_seeing_its_image(mild_llav
     assert len(read_cache(cache, json.loads(cache.read_text().splitlines()[0])["key"])) == len(convs)
 
 
+def test_a_mixed_dataset_regenerates_into_shards_and_resumes(mild_llava, mm_data, tmp_path):
+    """Text-only shards of a dataset with images share its cache key (they failed to resume with another)."""
+    from mmvsd.data.conversations import Conversation, Turn, load_conversations
+    from mmvsd.training.media import media_adapter
+    from mmvsd.training.regenerate_shards import RegenerateSettings, regenerate_dataset
+
+    _, target = mild_llava
+    text = [Conversation(f"t{i}", [Turn("user", f"w{i + 3} w{i + 4}"), Turn("assistant", "w9")]) for i in range(2)]
+    convs = text + load_conversations(f"llava-instruct:{mm_data}")[:2]
+    settings = RegenerateSettings(max_new_tokens=8, max_prompt_tokens=None, batch_size=2, shard_size=2)
+    run = dict(data="mixed", settings=settings, adapter=media_adapter(target), progress=False)
+    first = regenerate_dataset(target, convs, tmp_path / "regen", **run)
+    again = regenerate_dataset(target, convs, tmp_path / "regen", **run)
+    assert first.num_regenerated == 4 and again.num_regenerated == 0  # finished shards are skipped
+    assert [c.conv_id for c in load_conversations(str(tmp_path / "regen"))] == [c.conv_id for c in convs]
+
+
 @pytest.mark.parametrize("name", ["msd", "vispec"])
 def test_drafters_run_against_a_bf16_target(llava_dir, name):
     """A bf16 target (training's target_dtype=bf16, whose validation tau replays with it) lends its bf16 LM

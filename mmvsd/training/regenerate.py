@@ -173,8 +173,9 @@ def source_digest(conv: Conversation) -> str:
 def cache_key(target: Target, temperature: float, max_new_tokens: int, seed: int,
               max_prompt_tokens: int | None = None, adapter: str = "", engine: str = "") -> dict[str, Any]:
     """The settings a cache line was generated with; lines with another key are refused. `adapter`: the
-    modality adapter that fed the images, `engine`: an engine other than mmvsd's decoding (each only where it
-    applies, so the keys of earlier text-only mmvsd runs stay as they were)."""
+    modality adapter given to show images (callers give one only to data with images, so a run's text-only parts
+    share its key, e.g. the text shards of a mixed dataset), `engine`: an engine other than mmvsd's decoding (each
+    only where it applies, so the keys of earlier text-only mmvsd runs stay as they were)."""
     key = {"target": target.name, "temperature": float(temperature), "max_new_tokens": int(max_new_tokens),
            "max_prompt_tokens": max_prompt_tokens, "seed": int(seed)}
     return {**key, **({"adapter": adapter} if adapter else {}), **({"engine": engine} if engine else {})}
@@ -337,15 +338,15 @@ def regenerate_conversations(
     """The conversations with every assistant turn rewritten by the target, in input order (resumable via the cache).
 
     `cache_path` None: the shared cache of these settings under the mmvsd cache (`default_cache_path`).
-    `adapter`: shows the images of conversations that have one (needed when any has).
+    `adapter`: shows the images of conversations that have one (needed when any has; give none to text-only data,
+    as its name joins the cache key).
     `answer`: the engine that writes the answers (default `mmvsd_answers(target)`, exact); another engine names
     itself in `engine`, which joins the cache key, so its answers never mix with another engine's.
     """
     _check_inputs(target, conversations, batch_size, adapter)
     DecodeConfig(max_new_tokens=max_new_tokens, temperature=temperature)  # validates both
     stats = stats if stats is not None else RegenerateStats()
-    sees_images = adapter is not None and any(conv.image for conv in conversations)
-    key = cache_key(target, temperature, max_new_tokens, seed, max_prompt_tokens, adapter.name if sees_images else "",
+    key = cache_key(target, temperature, max_new_tokens, seed, max_prompt_tokens, adapter.name if adapter else "",
                     engine)
     cache_path = Path(cache_path) if cache_path is not None else default_cache_path(key)
     records = read_cache(cache_path, key)

@@ -194,9 +194,8 @@ def regenerate_dataset(target: Target, conversations: list[Conversation], output
         raise UserError(f"shard_size must be >= 1, got {settings.shard_size}")
     output = Path(output).expanduser()
     answer = answer or mmvsd_answers(target)
-    sees_images = adapter is not None and any(conv.image for conv in conversations)
     key = cache_key(target, settings.temperature, settings.max_new_tokens, settings.seed, settings.max_prompt_tokens,
-                    adapter.name if sees_images else "", engine)
+                    adapter.name if adapter else "", engine)  # every shard's key, text-only shards included
     shards = [conversations[i:i + settings.shard_size] for i in range(0, len(conversations), settings.shard_size)]
     fresh = {"format": FORMAT, "key": key, "data": data, "shard_size": settings.shard_size,
              "num_conversations": len(conversations), "num_shards": len(shards), "order": order_digest(conversations),
@@ -243,27 +242,23 @@ def _estimate(target: Target, answer: AnswerFn, pending: list[Conversation], set
 def _run_shard(target: Target, shard: list[Conversation], index: int, output: Path, manifest: dict[str, Any],
                settings: RegenerateSettings, answer: AnswerFn, engine: str, adapter: ModalityAdapter | None,
                progress: bool, stats: RegenerateStats) -> None:
-    """Finish one shard, then record its figures and the folder's throughput in the manifest."""
-    shard_stats = RegenerateStats()
+    """Finish one shard (its counts added to `stats`), then record its figures and the folder's throughput in the
+    manifest."""
+    tokens_before = stats.num_tokens
     start = time.perf_counter()
-    logger.info("shard %d/%d", index + 1, manifest["num_shards"])
     regenerate_conversations(target, shard, cache_path=shard_path(output, index), temperature=settings.temperature,
                              max_new_tokens=settings.max_new_tokens, max_prompt_tokens=settings.max_prompt_tokens,
                              batch_size=settings.batch_size, seed=settings.seed, progress=progress,
-                             stats=shard_stats, adapter=adapter, answer=answer, engine=engine)
-    seconds = time.perf_counter() - start
+                             stats=stats, adapter=adapter, answer=answer, engine=engine)
+    seconds, tokens = time.perf_counter() - start, stats.num_tokens - tokens_before
     previous = manifest["shards"].get(str(index), {"tokens": 0, "seconds": 0.0})
-    manifest["shards"][str(index)] = {"conversations": shard_stats.num_conversations,
-                                      "tokens": previous["tokens"] + shard_stats.num_tokens,
+    manifest["shards"][str(index)] = {"conversations": len(shard), "tokens": previous["tokens"] + tokens,
                                       "seconds": round(previous["seconds"] + seconds, 1)}
     total_tokens = sum(s["tokens"] for s in manifest["shards"].values())
     total_seconds = sum(s["seconds"] for s in manifest["shards"].values())
     manifest["tokens_per_s"] = round(total_tokens / total_seconds, 2) if total_seconds > 0 else None
     _write_manifest(output, manifest)
-    for name in ("num_conversations", "num_cached", "num_regenerated", "num_answers", "num_tokens", "num_too_long",
-                 "num_empty_answers", "num_dropped"):
-        setattr(stats, name, getattr(stats, name) + getattr(shard_stats, name))
-    print(f"shard {index + 1}/{manifest['num_shards']}: {shard_stats.num_tokens} answer tokens in {seconds:.0f} s; "
+    print(f"shard {index + 1}/{manifest['num_shards']}: {tokens} answer tokens in {seconds:.0f} s; "
           f"folder throughput {manifest['tokens_per_s']} tokens/s", flush=True)
 
 
