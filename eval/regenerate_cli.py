@@ -12,17 +12,10 @@ import argparse
 import contextlib
 
 from mmvsd.errors import UserError
-from mmvsd.placement import add_placement_arguments, placement
+from mmvsd.placement import add_placement_arguments, placement, positive_int
 
 ENGINES = ("mmvsd", "llama.cpp")
 SLOT_MARGIN = 32  # tokens of a llama.cpp slot past prompt + answer
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def add_regenerate_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,16 +31,16 @@ def add_regenerate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", required=True, help="folder of the shards and their manifest")
     p.add_argument("--num-conversations", type=int, default=0, help="the dataset's first N (0: all)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers; 1: samples")
-    p.add_argument("--max-new-tokens", type=_positive, default=448)
+    p.add_argument("--max-new-tokens", type=positive_int, default=448)
     p.add_argument("--max-length", type=int, default=512,
                    help="the training length: answers stop where a training example would be cut (0: no limit)")
-    p.add_argument("--batch-size", type=_positive, default=64, help="conversations in flight (mmvsd engine)")
-    p.add_argument("--shard-size", type=_positive, default=256, help="conversations per shard file")
+    p.add_argument("--batch-size", type=positive_int, default=64, help="conversations in flight (mmvsd engine)")
+    p.add_argument("--shard-size", type=positive_int, default=256, help="conversations per shard file")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine", choices=ENGINES, default="mmvsd",
                    help="mmvsd: its exact decoding (images too); llama.cpp: llama-server on the target's GGUF file, "
                         "faster on a CPU, text only, not bit-identical at near-ties")
-    p.add_argument("--parallel", type=_positive, default=8, help="llama.cpp slots decoding together")
+    p.add_argument("--parallel", type=positive_int, default=8, help="llama.cpp slots decoding together")
     p.add_argument("--threads", type=int, default=0, help="llama.cpp threads (0: its default)")
     p.add_argument("--estimate", action="store_true", help="print the estimate and stop; write nothing")
     add_placement_arguments(p)

@@ -15,18 +15,17 @@ from mmvsd.eval.bench_cli import add_bench_parser, run_bench_command
 from mmvsd.eval.regenerate_cli import add_regenerate_parser, run_regenerate_command
 from mmvsd.files import atomic_file
 from mmvsd.layouts.export_cli import add_export_parser
-from mmvsd.placement import add_device_argument, add_placement_arguments, half_precision_warning, placement
+from mmvsd.placement import (
+    add_device_argument,
+    add_placement_arguments,
+    half_precision_warning,
+    placement,
+    positive_int,
+)
 from mmvsd.plugins import add_plugin_commands
 from mmvsd.prompts import read_prompt_file
 from mmvsd.training.terms import TERMS, objective_help
 from mmvsd.tree_options import add_tree_arguments, tree_for_prompts, tree_spec_from_args
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _on_off(text: str) -> bool:
@@ -53,10 +52,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="one prompt (goes through the target's chat template)")
     source.add_argument("--prompt-file", help="JSONL file with a 'prompt' (or MT-Bench 'turns') field per line")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     add_tree_arguments(p, default="auto")
-    p.add_argument("--batch-size", type=_positive_int, default=1)
+    p.add_argument("--batch-size", type=positive_int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", help="write per-prompt results (with token ids) to this file")
     p.add_argument("--image", action="append", default=[], metavar="PATH",
@@ -82,7 +81,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan (parameters, data, steps, memory per GPU, disk, the accelerate launch "
                         "command) without loading weights or writing anything")
-    p.add_argument("--gpus", type=_positive_int, default=8, help="GPUs the --dry-run plan's command uses (default 8)")
+    p.add_argument("--gpus", type=positive_int, default=8, help="GPUs the --dry-run plan's command uses (default 8)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. max_steps=100 loss.num_samples=8")
 
 
@@ -114,10 +113,10 @@ def _add_eval_drafter(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--adapter", default="", help="modality adapter that feeds image tasks' images (default: the "
                                                  "first registered one that fits the target)")
     p.add_argument("--limit", type=int, default=0, help="first N prompts (0: all)")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=256)
+    p.add_argument("--max-new-tokens", type=positive_int, default=256)
     add_tree_arguments(p, default="paper")
     add_ngram_argument(p, "n-gram branches in the trees, as for generate")
-    p.add_argument("--batch-size", type=_positive_int,
+    p.add_argument("--batch-size", type=positive_int,
                    help="prompts replayed together (default 8; 1 with n-gram branches, whose statistics a batch's "
                         "rows share, so that tau is generate's at its default batch size 1)")
     p.add_argument("--seed", type=int, default=0)
@@ -145,7 +144,7 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
                    help="none (default), random, ngram, or a drafter folder (as `mmvsd generate --drafter`)")
     add_ngram_argument(p, "as in `mmvsd generate`: profile the neural drafter with (default) or without n-gram "
                           "branches")
-    p.add_argument("--batch-size", type=_positive_int, action="append", help="batch size to measure (repeatable)")
+    p.add_argument("--batch-size", type=positive_int, action="append", help="batch size to measure (repeatable)")
     p.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
     p.add_argument("--plot", metavar="OUT.png", help="write the cost curves to this PNG file")
     add_placement_arguments(p)

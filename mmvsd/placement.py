@@ -10,6 +10,14 @@ import argparse
 from mmvsd.errors import UserError
 
 DTYPE_CHOICES = ("auto", "fp32", "bf16", "fp16")
+
+
+def positive_int(text: str) -> int:
+    """argparse type of counts that must be >= 1 (batch sizes, token budgets) in the commands that load a target."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 DTYPE_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
                "fp16": "float16", "float16": "float16"}  # the short names and the long ones lmms-eval users write
 
