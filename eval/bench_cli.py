@@ -23,7 +23,8 @@ def _temperatures(text: str) -> list[float]:
     return values
 
 
-def add_bench_parser(sub: argparse._SubParsersAction) -> None:
+def add_bench_command(sub: argparse._SubParsersAction) -> None:
+    """`mmvsd bench` (entry point `mmvsd.commands`)."""
     defaults = BenchConfig()
     p = sub.add_parser("bench", help="speed-up, tau and lossless check of drafters on benchmark suites",
                        description="Runs every method on the same prompts, interleaved per prompt, after a "
@@ -56,6 +57,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue an interrupted run in --out")
     p.add_argument("--no-progress", action="store_true")
     add_placement_arguments(p)
+    p.set_defaults(handler=run_bench_command)
 
 
 def run_bench_command(args: argparse.Namespace) -> None:

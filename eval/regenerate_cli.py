@@ -18,7 +18,8 @@ ENGINES = ("mmvsd", "llama.cpp")
 SLOT_MARGIN = 32  # tokens of a llama.cpp slot past prompt + answer
 
 
-def add_regenerate_parser(sub: argparse._SubParsersAction) -> None:
+def add_regenerate_command(sub: argparse._SubParsersAction) -> None:
+    """`mmvsd regenerate` (entry point `mmvsd.commands`)."""
     p = sub.add_parser("regenerate", help="answer a dataset's prompts with the target (on-policy training data), "
                                           "in resumable shards",
                        description="Rewrite every assistant turn of a dataset with the target's own answer, into "
@@ -44,6 +45,7 @@ def add_regenerate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=0, help="llama.cpp threads (0: its default)")
     p.add_argument("--estimate", action="store_true", help="print the estimate and stop; write nothing")
     add_placement_arguments(p)
+    p.set_defaults(handler=run_regenerate_command)
 
 
 def run_regenerate_command(args: argparse.Namespace) -> None:

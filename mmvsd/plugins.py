@@ -2,10 +2,11 @@
 imported. The built-in ones (`mmvsd.drafters`, `mmvsd.eval.prompt_sets`) and any other package's are named in
 the entry-point group `mmvsd.plugins`; a registry imports them on its first lookup, so the core never names them.
 
-Two more groups extend mmvsd from outside: `mmvsd.targets` (a named `--target`, mmvsd.target_loader) and
-`mmvsd.commands` (a subcommand of `mmvsd`: the entry point is a function of argparse's subparsers action that adds
-its parser and sets `handler=FUNCTION(args)` on it; `add_plugin_commands`). The studies (studies/, the
-distribution mmvsd-studies) add the target `smol-llava` and the command `mmvsd lab` this way.
+Two more groups extend mmvsd: `mmvsd.targets` (a named `--target`, mmvsd.target_loader) and `mmvsd.commands` (a
+subcommand of `mmvsd`: the entry point is a function of argparse's subparsers action that adds its parser and sets
+`handler=FUNCTION(args)` on it; `add_commands`). mmvsd's own subcommands are entry points of this group too
+(pyproject.toml), so the core's command line imports nothing above it. The studies (studies/, the distribution
+mmvsd-studies) add the target `smol-llava` and the command `mmvsd lab` this way.
 """
 
 from __future__ import annotations
@@ -42,10 +43,20 @@ def load_plugins() -> None:
                         type(err).__name__, err)
 
 
-def add_plugin_commands(sub: argparse._SubParsersAction) -> None:
-    """Let every `mmvsd.commands` entry point add its subcommand to `sub` (one that fails is logged and skipped);
-    then a PLUGIN_COMMANDS name that none added gets a stand-in that says how to install its plugin."""
-    for entry in importlib.metadata.entry_points(group=COMMANDS_ENTRY_POINT):
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    """Let every `mmvsd.commands` entry point add its subcommand to `sub`: mmvsd's own first, in pyproject's order
+    (one that fails to load is a bug, and raises), then other packages' (one that fails is logged and skipped).
+    A PLUGIN_COMMANDS name that none added gets a stand-in that says how to install its plugin."""
+    entries = list(importlib.metadata.entry_points(group=COMMANDS_ENTRY_POINT))
+    own = [entry for entry in entries if _distribution(entry) == "mmvsd"]
+    if not own:
+        raise UserError("this mmvsd has no commands registered: its subcommands are entry points that an install "
+                        "writes; install it (`pip install -e .` in a checkout) and run again")
+    for entry in own:
+        entry.load()(sub)
+    for entry in entries:
+        if entry in own:
+            continue
         try:
             entry.load()(sub)
         except Exception as err:  # noqa: BLE001  reported, then mmvsd's own commands still work
@@ -57,6 +68,12 @@ def add_plugin_commands(sub: argparse._SubParsersAction) -> None:
             stand_in.add_argument("arguments", nargs=argparse.REMAINDER)
             stand_in.set_defaults(handler=_not_installed(f"`mmvsd {name}` comes with a plugin that is not installed; "
                                                          f"install it with: {install}"))
+
+
+def _distribution(entry: importlib.metadata.EntryPoint) -> str:
+    """The name of the distribution that declares `entry` ('' when unknown)."""
+    dist = getattr(entry, "dist", None)
+    return (dist.metadata["Name"] or "").lower() if dist is not None else ""
 
 
 def _not_installed(message: str) -> Callable[[argparse.Namespace], None]:

@@ -49,6 +49,18 @@ def add_tree_arguments(p: argparse.ArgumentParser, default: str, many: bool = Fa
     p.set_defaults(tree_default=default)
 
 
+def _on_off(text: str) -> bool:
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"use on or off, not {text!r}")
+    return text == "on"
+
+
+def add_ngram_argument(p: argparse.ArgumentParser, help_text: str) -> None:
+    """`--ngram on|off`: whether a neural drafter's trees hold n-gram branches, read as True / False (None when
+    not given: the drafter spec's default)."""
+    p.add_argument("--ngram", type=_on_off, metavar="on|off", help=help_text)
+
+
 def _spec_list(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 

@@ -11,9 +11,10 @@ import pytest
 import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
-# the top-level package folders, read from pyproject's `package-dir` (the one statement of the mapping)
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-PACKAGES = PYPROJECT["tool"]["setuptools"]["package-dir"]
+# the package's folders on disk: mmvsd/, and the top-level folders its symlinks name (mmvsd/drafters -> ../drafters)
+LINKS = sorted(path for path in (ROOT / "mmvsd").iterdir() if path.is_symlink())
+PACKAGES = {"mmvsd": "mmvsd", **{f"mmvsd.{link.name}": link.resolve().relative_to(ROOT).as_posix() for link in LINKS}}
 
 
 def package_modules() -> dict[str, Path]:
@@ -21,6 +22,8 @@ def package_modules() -> dict[str, Path]:
     for package, folder in PACKAGES.items():
         for path in sorted((ROOT / folder).rglob("*.py")):
             parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
+            if folder == "mmvsd" and (ROOT / folder / parts[0]).is_symlink():
+                continue  # a linked folder's modules are read at their top-level path
             if parts[-1] == "__init__":
                 parts = parts[:-1]
             modules[".".join([package, *parts])] = path

@@ -1,26 +1,32 @@
-"""Imports run one way, as docs/architecture.md's layer map says: the core imports none of `drafters/ data/ eval/
-adapters/`; those import the core alone; training sits above them; `eval/` and the CLI sit on top; the studies
-(studies/) sit above the package, which never imports them, nor `benchmarks/` or `tests/`, nor edits `sys.path`.
-Every runtime import counts, function-level ones included (typing-only ones do not)."""
+"""Imports run one way, as docs/architecture.md's layer map says: the core (mmvsd/, its command line's dispatch
+included) imports none of `adapters/ data/ drafters/ training/ eval/`; the first three import the core alone;
+`training/` sits above them and `eval/` on top; the studies (studies/) sit above the package, which never imports
+them, nor `benchmarks/` or `tests/`, nor edits `sys.path`. Every runtime import counts, function-level ones included
+(typing-only ones do not). On disk the same: the folders' import graph has no circle, and every module's name is a
+path a tool can open (mmvsd/'s symlinks to the top-level folders; pyright resolves every import)."""
 
 from __future__ import annotations
 
 import ast
+import json
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
-from test_imports import ROOT, package_modules, runtime_imports
+from test_imports import LINKS, PYPROJECT, ROOT, find_cycle, package_modules, runtime_imports
 
 # (layer, rank, what belongs to it); a module may import its own layer's modules and lower ranks' only. The
 # plugin folders may each import the core and themselves, not one another.
 LAYERS = [
-    ("core", 0, re.compile(r"mmvsd(\.(?!cli$|__main__$|eval\b|training\b|drafters\b|adapters\b|data\b)\w+.*)?$")),
+    ("core", 0, re.compile(r"mmvsd(\.(?!eval\b|training\b|drafters\b|adapters\b|data\b)\w+.*)?$")),
     ("drafters", 1, re.compile(r"mmvsd\.drafters\b")),
     ("adapters", 1, re.compile(r"mmvsd\.adapters\b")),
     ("data", 1, re.compile(r"mmvsd\.data\b")),
     ("training", 2, re.compile(r"mmvsd\.training\b")),
-    ("top", 3, re.compile(r"mmvsd\.(eval\b|cli$|__main__$)")),
+    ("top", 3, re.compile(r"mmvsd\.eval\b")),
 ]
 
 
@@ -40,12 +46,14 @@ def test_the_map_places_each_folder():
     assert layer_of("mmvsd") == ("core", 0) and layer_of("mmvsd.decoding.decode") == ("core", 0)
     assert layer_of("mmvsd.layouts.registry") == ("core", 0) and layer_of("mmvsd.configs") == ("core", 0)
     assert layer_of("mmvsd.drafters.eagle3")[0] == "drafters" and layer_of("mmvsd.data.images")[0] == "data"
-    assert layer_of("mmvsd.training.trainer") == ("training", 2) and layer_of("mmvsd.cli") == ("top", 3)
+    assert layer_of("mmvsd.training.trainer") == ("training", 2) and layer_of("mmvsd.cli") == ("core", 0)
     assert layer_of("mmvsd.eval.bench") == ("top", 3) and layer_of("mmvsd.plugins") == ("core", 0)
     assert not allowed("mmvsd.decoding.decode", "mmvsd.drafters.ngram")
     assert not allowed("mmvsd.drafters.eagle3", "mmvsd.data.images")
     assert not allowed("mmvsd.training.trainer", "mmvsd.eval.suites")
-    assert allowed("mmvsd.training.trainer", "mmvsd.drafters.eagle3") and allowed("mmvsd.cli", "mmvsd.training.trainer")
+    assert allowed("mmvsd.training.trainer", "mmvsd.drafters.eagle3")
+    assert allowed("mmvsd.eval.bench", "mmvsd.training.cli")
+    assert not allowed("mmvsd.cli", "mmvsd.training.trainer") and not allowed("mmvsd.__main__", "mmvsd.eval.bench")
 
 
 @pytest.mark.parametrize("name", sorted(package_modules()))
@@ -57,14 +65,55 @@ def test_imports_run_one_way(name):
 
 def test_the_architecture_doc_shows_the_map():
     text = (ROOT / "docs" / "architecture.md").read_text()
-    for folder in ("mmvsd/decoding/", "mmvsd/training/", "mmvsd/layouts/", "drafters/", "adapters/", "data/",
-                   "eval/", "studies/"):
+    for folder in ("mmvsd/decoding/", "mmvsd/layouts/", "training/", "drafters/", "adapters/", "data/", "eval/",
+                   "studies/"):
         assert f"`{folder}`" in text, f"docs/architecture.md's layer map does not place {folder}"
 
 
 def test_the_core_stays_small_at_its_top_level():
     top = [path for path in (ROOT / "mmvsd").glob("*.py") if path.name != "__init__.py"]
     assert len(top) <= 15, sorted(p.name for p in top)  # issue 55: at most 15 top-level modules
+
+
+def folder_of(path: Path) -> str:
+    """The top-level folder that a module's file lies in on disk: mmvsd, drafters, training, eval, ..."""
+    return path.resolve().relative_to(ROOT).parts[0]
+
+
+def test_the_folders_on_disk_import_one_way():
+    """What a reader sees agrees with the layer map: mmvsd/ imports no other folder, and no folder imports one
+    that imports it back (issue 55: the mapping let mmvsd/training and mmvsd/cli.py import the folders above)."""
+    modules = package_modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        imported = {folder_of(modules[m]) for m in runtime_imports(name, path, set(modules))}
+        graph.setdefault(folder_of(path), set()).update(imported - {folder_of(path)})
+    assert set(graph) == {"mmvsd", *(link.name for link in LINKS)}
+    assert not graph["mmvsd"], f"mmvsd/ imports the folders {sorted(graph['mmvsd'])}"
+    assert not find_cycle(graph), f"the folders import in a circle: {find_cycle(graph)}"
+
+
+def test_every_module_name_is_a_path_on_disk():
+    """mmvsd.drafters.eagle3 is the file mmvsd/drafters/eagle3.py (a relative symlink to drafters/), so tools that
+    follow paths (pyright, mypy, IDEs, setuptools) need no mapping; setuptools installs every linked folder."""
+    for name, path in package_modules().items():
+        relative = Path(*name.split("."))
+        on_disk = ROOT / (relative / "__init__.py" if path.name == "__init__.py" else relative.with_suffix(".py"))
+        assert on_disk.is_file() and on_disk.resolve() == path.resolve(), f"{name} is not {on_disk}"
+    assert [os.readlink(link) for link in LINKS] == [f"../{link.name}" for link in LINKS]
+    assert {f"mmvsd.{link.name}" for link in LINKS} <= set(PYPROJECT["tool"]["setuptools"]["packages"])
+    assert "package-dir" not in PYPROJECT["tool"]["setuptools"]
+
+
+@pytest.mark.skipif(shutil.which("pyright") is None, reason="pyright is not installed (npm install -g pyright)")
+def test_pyright_resolves_every_import():
+    """The IDE's view (pylance is pyright): every import of the package resolves, at pyproject's [tool.pyright]."""
+    run = subprocess.run(["pyright", "--outputjson"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    report = json.loads(run.stdout)
+    assert report["summary"]["filesAnalyzed"] == len(package_modules())
+    missing = [f"{d['file']}: {d['message']}" for d in report["generalDiagnostics"]
+               if d.get("rule") in ("reportMissingImports", "reportMissingModuleSource")]
+    assert not missing, missing
 
 
 # what only a checkout has, never an install: the studies plugin, the scripts of benchmarks/ and the tests

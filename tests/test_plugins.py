@@ -6,8 +6,10 @@ from __future__ import annotations
 import logging
 import sys
 from importlib.metadata import EntryPoint
+from pathlib import Path
 
 import pytest
+import tomllib
 
 from mmvsd import drafter_base, plugins
 from mmvsd.drafter_base import DRAFTERS, drafter_class
@@ -54,6 +56,36 @@ def test_another_package_registers_a_drafter_and_a_broken_one_is_only_logged(fre
     assert "plugin broken (no_such_module_anywhere) failed to import: ModuleNotFoundError" in caplog.text
 
 
+ENTRY_POINTS = plugins.importlib.metadata.entry_points  # the real one, before a test patches it
+
+
+def mmvsd_own(group: str) -> list[EntryPoint]:
+    """The installed entry points of `group` that mmvsd itself declares (pyproject.toml), no other package's."""
+    return [entry for entry in ENTRY_POINTS(group=group) if plugins._distribution(entry) == "mmvsd"]
+
+
+def test_mmvsd_own_commands_are_entry_points_of_the_commands_group(capsys):
+    """The core's command line names no command: every `mmvsd X` comes from pyproject's `mmvsd.commands` group."""
+    from mmvsd.cli import build_parser
+
+    declared = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    names = set(declared["project"]["entry-points"]["mmvsd.commands"])
+    assert {"generate", "train", "bench", "eval-drafter", "regenerate", "export"} <= names
+    assert {entry.name for entry in mmvsd_own(plugins.COMMANDS_ENTRY_POINT)} == names  # the install is current
+    choices = build_parser()._subparsers._group_actions[0].choices
+    assert names <= set(choices) and all(callable(choices[name].get_default("handler")) for name in names)
+
+
+def test_an_install_without_its_commands_says_to_install(monkeypatch, capsys):
+    """A checkout run without an install has no entry points: one message saying to install it, exit 2."""
+    from mmvsd.cli import main
+
+    monkeypatch.setattr(plugins.importlib.metadata, "entry_points", lambda group: [])
+    assert main(["generate", "--target", "x", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "has no commands registered" in err and "pip install -e ." in err
+
+
 def test_another_package_adds_a_command_and_a_broken_one_is_only_logged(monkeypatch, tmp_path, capsys, caplog):
     """The `mmvsd.commands` hook: an entry point adds its subparser and sets its handler (as the studies' `lab`)."""
     from mmvsd.cli import main
@@ -63,7 +95,8 @@ def test_another_package_adds_a_command_and_a_broken_one_is_only_logged(monkeypa
         "    p.set_defaults(handler=lambda args: print('hello', args.name))\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "their_command", raising=False)
-    entries = {plugins.COMMANDS_ENTRY_POINT: [EntryPoint("broken", "no_such_module_anywhere:add", "mmvsd.commands"),
+    entries = {plugins.COMMANDS_ENTRY_POINT: [*mmvsd_own(plugins.COMMANDS_ENTRY_POINT),
+                                              EntryPoint("broken", "no_such_module_anywhere:add", "mmvsd.commands"),
                                               EntryPoint("greet", "their_command:add", "mmvsd.commands")]}
     monkeypatch.setattr(plugins.importlib.metadata, "entry_points", lambda group: entries.get(group, []))
     with caplog.at_level(logging.WARNING, logger="mmvsd.plugins"):
@@ -78,7 +111,7 @@ def test_the_studies_command_and_target_without_their_plugin_say_how_to_install_
     from mmvsd import target_loader
     from mmvsd.cli import main
 
-    monkeypatch.setattr(plugins.importlib.metadata, "entry_points", lambda group: [])
+    monkeypatch.setattr(plugins.importlib.metadata, "entry_points", mmvsd_own)  # mmvsd's alone: no studies
     assert main(["lab", "build-target", "smol-llava", "--max-steps", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "`mmvsd lab` comes with a plugin that is not installed" in err

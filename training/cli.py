@@ -1,0 +1,79 @@
+"""`mmvsd train` and `mmvsd prepare` (the offline feature cache a run reads). Light to import: the trainer loads
+when a command runs."""
+
+from __future__ import annotations
+
+import argparse
+
+from mmvsd.placement import add_device_argument, placement, positive_int
+from mmvsd.training.terms import TERMS, objective_help
+
+
+def add_train_command(sub: argparse._SubParsersAction) -> None:
+    """`mmvsd train` (entry point `mmvsd.commands`)."""
+    p = sub.add_parser("train", help=f"train a drafter (objectives over the terms {', '.join(TERMS)})",
+                       description="Train a drafter. Settings: defaults < --config YAML < flags < key=value.")
+    p.add_argument("--target", help="built-in name, local folder, .gguf file or HF id")
+    p.add_argument("--drafter", help="drafter architecture (default eagle3)")
+    p.add_argument("--init", help="none (default) | a drafter folder | a released layout (eagle3) | LAYOUT:PATH")
+    p.add_argument("--objective", help=objective_help())
+    p.add_argument("--data", help="auto (default: ShareGPT; for an image drafter on an image target ShareGPT + "
+                                  "LLaVA-Instruct), sharegpt, sharegpt:PATH, llava-instruct:PATH or a JSON/JSONL file; "
+                                  "SPEC+SPEC mixes them")
+    p.add_argument("--output", help="output folder: becomes a drafter folder for `mmvsd generate --drafter`")
+    p.add_argument("--config", help="YAML file of TrainConfig settings (see configs/)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan (parameters, data, steps, memory per GPU, disk, the accelerate launch "
+                        "command) without loading weights or writing anything")
+    p.add_argument("--gpus", type=positive_int, default=8, help="GPUs the --dry-run plan's command uses (default 8)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. max_steps=100 loss.num_samples=8")
+    p.set_defaults(handler=run_train)
+
+
+def add_prepare_command(sub: argparse._SubParsersAction) -> None:
+    """`mmvsd prepare` (entry point `mmvsd.commands`)."""
+    p = sub.add_parser("prepare", help="write the offline target-feature cache a training run reads",
+                       description="Capture target features of the training examples into DIR "
+                                   "(resumable); train with features=offline feature_cache=DIR.")
+    p.add_argument("--target", help="built-in name, local folder, .gguf file or HF id")
+    p.add_argument("--data", help="same as `mmvsd train --data`")
+    p.add_argument("--output", required=True, help="cache folder")
+    p.add_argument("--config", help="YAML file of TrainConfig settings (data keys are used)")
+    p.add_argument("--dtype", choices=("auto", "bf16", "fp16", "fp32"), default="auto",
+                   help="storage type of the features (auto: the target's)")
+    p.add_argument("--yes", action="store_true", help="do not ask before writing")
+    add_device_argument(p)  # where the target runs; its precision is the config's target_dtype
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    p.set_defaults(handler=run_prepare)
+
+
+def run_train(args: argparse.Namespace) -> None:
+    """`mmvsd train`: resolve the config, train, and say where the drafter is."""
+    from mmvsd.training.config import load_train_config  # CLI start-up: loaded per command
+    from mmvsd.training.trainer import train  # CLI start-up: loaded per command
+
+    flags = {k: getattr(args, k) for k in ("target", "drafter", "init", "objective", "data", "output")}
+    config = load_train_config(args.config, flags, args.overrides)
+    if args.dry_run:
+        from mmvsd.training.plan import describe_plan  # CLI start-up: loaded per command
+
+        print(describe_plan(config, args.argv, args.gpus))
+        return
+    from accelerate import PartialState  # loaded by the trainer already
+
+    out_dir = train(config, resume=args.resume)
+    if PartialState().is_main_process:  # once, not once per process of `accelerate launch`
+        print(f"drafter written to {out_dir}; try: mmvsd generate --target {config.target} --drafter {out_dir} "
+              f"--prompt \"...\"")
+
+
+def run_prepare(args: argparse.Namespace) -> None:
+    """`mmvsd prepare`: write the offline feature cache of a run's training examples."""
+    from mmvsd.training.config import load_train_config  # CLI start-up: loaded per command
+    from mmvsd.training.prepare import prepare_feature_cache  # CLI start-up: loaded per command
+
+    flags = {"target": args.target, "data": args.data, "output": args.output, "features": "offline",
+             "feature_cache": args.output}
+    config = load_train_config(args.config, flags, args.overrides)
+    prepare_feature_cache(config, dtype=args.dtype, assume_yes=args.yes, device=placement(args.device)[1])
