@@ -4,16 +4,20 @@ control measures in this world, and how, is `vsd_control.py`'s docstring."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import hashlib
 import json
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
 from torch import Tensor
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 SPECIALS = ["<unk>", "<|user|>", "<|assistant|>", "<eos>"]  # ids 0..3; word w{i} is id 4 + i
 USER_ID, ASSISTANT_ID = 1, 2
@@ -83,8 +87,6 @@ EVAL_KEYS = TARGET_KEYS + ("depth", "tree", "num_eval_prompts", "eval_seed")
 
 def parse_overrides(config: ControlConfig, pairs: list[str]) -> ControlConfig:
     """`KEY=VALUE` pairs applied to a copy of `config` (values as Python literals or strings; unknown keys fail)."""
-    import ast
-
     kinds = {f.name: type(getattr(config, f.name)) for f in dataclasses.fields(config)}
     changes = {}
     for pair in pairs:
@@ -181,9 +183,6 @@ def sample_conversations(language: MarkovLanguage, num: int, prompt_len: int, an
 
 def build_target_folder(config: ControlConfig, folder: Path) -> None:
     """A random Llama of the control's sizes plus its word-level tokenizer with the chat template."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
     words = SPECIALS + [f"w{i}" for i in range(config.num_tokens)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -246,8 +245,6 @@ def target_kl(model, language: MarkovLanguage, config: ControlConfig, num: int =
 
 def train_target(config: ControlConfig, language: MarkovLanguage, folder: Path, log=print) -> dict:
     """Next-word cross-entropy on fresh samples of the chain (AdamW, warm-up then cosine); saves the model."""
-    from transformers import LlamaForCausalLM
-
     model = LlamaForCausalLM.from_pretrained(folder).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.target_lr, betas=(0.9, 0.98), weight_decay=0.0)
     warmup = max(1, config.target_steps // 20)
@@ -280,13 +277,10 @@ def prepared_target(config: ControlConfig, out: Path, language: MarkovLanguage, 
         return folder
     staging = out / f".{folder.name}.tmp"
     if staging.exists():
-        import shutil
-
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
     build_target_folder(config, staging)
     record = train_target(config, language, staging, log)
-    from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(staging).eval()
     record["kl_to_chain"] = target_kl(model, language, config)

@@ -43,10 +43,10 @@ def main() -> None:
     parser.add_argument("--title", default="validation tau while training")
     parser.add_argument("--out", required=True, help="figure path (.png); the points go to the same name .json")
     args = parser.parse_args()
-    import matplotlib
+    import matplotlib  # plotting only: the backend is set before pyplot loads
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after matplotlib.use("Agg")
 
     curves = {}
     fig, ax = plt.subplots(figsize=(7, 4.2))

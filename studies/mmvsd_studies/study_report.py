@@ -59,10 +59,10 @@ def compact_table(rows: list[dict], baseline: str, budget: str = "steps") -> str
 
 def plot(rows: list[dict], path: Path) -> None:
     """Each metric with 95% intervals per arm, one panel per (metric, budget); seeds as dots, init as a line."""
-    import matplotlib
+    import matplotlib  # plotting only: the backend is set before pyplot loads
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after matplotlib.use("Agg")
 
     group = pooled_prompts(rows)
     rows = [r for r in rows if r["prompts"] == group]

@@ -72,6 +72,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mmvsd.decoding.decode import DecodeConfig, generate_each, speculative_generate, vanilla_generate
+from mmvsd.decoding.tree import TreeShape
+from mmvsd.drafters.eagle3 import Eagle3Config, Eagle3Drafter, _init_weights
+from mmvsd.shipped import weights_sha256
+from mmvsd.target_loader import load_target
+from mmvsd.training.acceptance import expected_acceptance
+from mmvsd.training.config import load_train_config
+from mmvsd.training.trainer import latest_checkpoint, train
 from mmvsd_studies import RESULTS_DIR
 from mmvsd_studies import study_stats as stats
 from mmvsd_studies.control_world import (
@@ -99,8 +107,6 @@ RESULTS = RESULTS_DIR / "vsd_control.json"
 def narrow_drafter_folder(config: ControlConfig, target, out: Path) -> Path:
     """OUT/drafter-init-<digest>: the fresh EAGLE-3 drafter every arm starts from (`--init`), narrowed where the
     architecture allows (MLP width, one attention head), drafting over the whole vocabulary."""
-    from mmvsd.drafters.eagle3 import Eagle3Config, Eagle3Drafter, _init_weights
-
     folder = out / f"drafter-init-{config.digest(*DRAFTER_KEYS)}"
     if (folder / "config.json").is_file():
         return folder
@@ -142,8 +148,6 @@ def control_arms(config: ControlConfig) -> list[Arm]:
 def arm_train_config(config: ControlConfig, arm: Arm, target_folder: Path, init_folder: Path, data: Path,
                      out: Path, run_dir: Path):
     """The TrainConfig of one arm (as `mmvsd train` resolves it from flags and key=value overrides)."""
-    from mmvsd.training.config import load_train_config
-
     depth = config.depth
     cache = out / "regenerated" / f"{arm.regenerate}-{config.digest(*DATA_KEYS)}-s{config.arm_seed}.jsonl"
     flags = {"target": str(target_folder), "init": str(init_folder), "objective": arm.objective,
@@ -168,8 +172,6 @@ def train_arm(config: ControlConfig, arm: Arm, target, target_folder: Path, init
               out: Path, log=print) -> dict:
     """Train one arm with mmvsd's trainer (resuming an interrupted run from its last checkpoint), or reuse its
     finished run (OUT/runs/<arm>-<digest>/)."""
-    from mmvsd.training.trainer import latest_checkpoint, train
-
     run_dir = out / "runs" / f"{arm.name}-{config.digest(*ARM_KEYS)}"
     record_path = run_dir / RUN_RECORD
     if record_path.is_file():
@@ -222,8 +224,6 @@ def eval_prompts(config: ControlConfig, language: MarkovLanguage, target) -> lis
 
 def make_eval_set(config: ControlConfig, language: MarkovLanguage, target, out: Path) -> EvalSet:
     """The held-out prompts and the target's greedy and T = 1 continuations (cached in OUT/eval/)."""
-    from mmvsd.decoding.decode import DecodeConfig, generate_each, vanilla_generate
-
     path = out / "eval" / f"prompts-{config.digest(*EVAL_KEYS)}.json"
     if path.is_file():
         return EvalSet(**json.loads(path.read_text()))
@@ -243,8 +243,6 @@ def chain_acceptance(target, drafter, prompts: list[list[int]], continuations: l
     "forced": the teacher-forced product's sum beside it, "roots": their number, "step_rates": the mean a_i of
     each step i over the anchors where token t+2+i lies in the continuation} from mmvsd's evaluator
     (`mmvsd.training.acceptance.expected_acceptance`)."""
-    from mmvsd.training.acceptance import expected_acceptance
-
     return [{"sum": c.total, "forced": c.forced_total, "roots": c.anchors, "step_rates": c.step_rates}
             for c in expected_acceptance(target, drafter, prompts, continuations, depth, batch_size)]
 
@@ -253,9 +251,6 @@ def chain_acceptance(target, drafter, prompts: list[list[int]], continuations: l
 def tree_decoding(target, drafter, eval_set: EvalSet, config: ControlConfig, temperature: float) -> list[dict]:
     """Per prompt: {"new": new tokens, "forwards": target forwards} of `speculative_generate` with the tree; at
     T = 0 each output must equal the target's greedy continuation (lossless), else RuntimeError."""
-    from mmvsd.decoding.decode import DecodeConfig, generate_each, speculative_generate
-    from mmvsd.decoding.tree import TreeShape
-
     shape = TreeShape.parse(config.tree)
     results = []
     if temperature == 0:
@@ -275,9 +270,6 @@ def tree_decoding(target, drafter, eval_set: EvalSet, config: ControlConfig, tem
 
 def evaluate_drafter(config: ControlConfig, target, folder: Path, eval_set: EvalSet, out: Path, name: str) -> dict:
     """accept_t1, tau_t0 (lossless-checked) and tau_t1 per prompt for the drafter in `folder` (cached by weights)."""
-    from mmvsd.drafters.eagle3 import Eagle3Drafter
-    from mmvsd.shipped import weights_sha256
-
     drafter = Eagle3Drafter.from_pretrained(folder, target).eval()
     digest = weights_sha256(drafter)[:12]
     # "chain2": records made before accept_t1 became the unbiased estimate are never reused as it
@@ -376,10 +368,10 @@ def markdown_tables(summary: dict[str, dict], runs: dict[str, dict], config: Con
 
 def plot(summary: dict[str, dict], config: ControlConfig, path: Path, replicates: int = 1) -> None:
     """Each metric per arm with its 95% interval, one panel per metric (written by a rename)."""
-    import matplotlib
+    import matplotlib  # plotting only: the backend is set before pyplot loads
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after matplotlib.use("Agg")
 
     titles = {"accept_t1": f"expected accepted length, T=1 chain D={config.depth}",
               "forced_t1": f"teacher-forced product, T=1 chain D={config.depth}",
@@ -413,8 +405,6 @@ def run_replicate(config: ControlConfig, out: Path, arm_names: list[str] | None 
     each reused when done. `device`: where the target (and so the drafters, training and decoding) runs once
     trained (the target's own training, the data and the initial drafter are made on the CPU, so they are the
     same on every device)."""
-    from mmvsd.target_loader import load_target
-
     out.mkdir(parents=True, exist_ok=True)
     arms = [a for a in control_arms(config) if arm_names is None or a.name in arm_names]
     if arm_names is not None and len(arms) != len(arm_names):

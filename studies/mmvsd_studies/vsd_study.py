@@ -46,6 +46,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
+
+from mmvsd.decoding.decode import DecodeConfig, generate_each
+from mmvsd.decoding.tree import TreeShape
+from mmvsd.drafters.spec import neural_drafter_from_spec
+from mmvsd.errors import UserError
+from mmvsd.files import atomic_file
+from mmvsd.prompts import load_eval_prompts
+from mmvsd.shipped import weights_sha256
+from mmvsd.target_loader import load_target
+from mmvsd.training.acceptance import cached_greedy_continuations, evaluate_acceptance, expected_acceptance
+from mmvsd.training.config import load_train_config
+from mmvsd.training.trainer import STATE_FILE, TARGET_DTYPES, latest_checkpoint, load_training_target, train
 
 DEFAULT_ARMS = ("ce=ce", "recipe=ce+vsd")
 RUN_FILE = "study_run.json"
@@ -74,8 +87,6 @@ class Arm:
 
 def parse_arm(spec: str) -> Arm:
     """'NAME=OBJECTIVE[:KEY=VALUE,...]' -> Arm (a bad spec is a UserError)."""
-    from mmvsd.errors import UserError
-
     name, sep, rest = spec.partition("=")
     objective, _, settings = rest.partition(":")
     if not sep or not name or not objective:
@@ -85,8 +96,6 @@ def parse_arm(spec: str) -> Arm:
 
 def run_config(args: argparse.Namespace, arm: Arm, seed: int, steps: int, output: Path):
     """The TrainConfig of one run: the base config, --set, the arm's overrides, then the study's own."""
-    from mmvsd.training.config import load_train_config
-
     study = [f"learning_rate={args.lr}", f"max_steps={steps}", f"seed={seed}", "progress=false",
              f"save_every={min(steps, args.save_every)}", "keep_checkpoints=1", "eval_every=0"]
     if args.feature_cache:
@@ -101,8 +110,6 @@ class Unfinished(Exception):
 
 def weights_moved(init_folder: str, run_folder: Path, target) -> float:
     """||w - w0|| / ||w0|| over every drafter weight: how far a run's drafter moved from the one it continues."""
-    from mmvsd.drafters.spec import neural_drafter_from_spec
-
     start = dict(neural_drafter_from_spec(init_folder, target).named_parameters())
     moved = dict(neural_drafter_from_spec(str(run_folder), target).named_parameters())
     change = sum(float((moved[k].detach().float() - w.detach().float()).pow(2).sum()) for k, w in start.items())
@@ -115,10 +122,6 @@ def train_run(args: argparse.Namespace, target, arm: Arm, seed: int, steps: int,
     """Train one run (or reuse a finished one); returns {arm, seed, steps, seconds, folder, moved}. With a
     `deadline` (time.monotonic()), a run trains until it and resumes from its checkpoint next time (Unfinished).
     When a run first reaches --check-steps its weights must have moved by --min-move (the manipulation check)."""
-    from mmvsd.errors import UserError
-    from mmvsd.files import atomic_file
-    from mmvsd.training.trainer import STATE_FILE, latest_checkpoint, train
-
     record_path, progress_path = output / RUN_FILE, output / "study_progress.json"
     if record_path.is_file():
         record = json.loads(record_path.read_text())
@@ -215,9 +218,6 @@ def load_prompt_sets(target, specs: list[str], limit: int, max_new_tokens: int, 
     """Held-out prompts per benchmark, prompt file or image task (e.g. `vqav2_val_mini_long`, its images
     through the target's modality adapter) with the target's cached greedy continuations, and continuations
     sampled at T = 1 with `sample_seed` when it is given."""
-    from mmvsd.prompts import load_eval_prompts
-    from mmvsd.training.acceptance import cached_greedy_continuations
-
     sets = []
     for spec in specs:
         prompts = load_eval_prompts(target, spec, limit)
@@ -238,16 +238,11 @@ def measure_counts(target, drafter, prompt_set: PromptSet, shape, temperature: f
     With `accept_depth`: (summed expected accepted length, anchors) along the sampled continuations instead
     (`forced`: the teacher-forced product's sum)."""
     if accept_depth:
-        from mmvsd.training.acceptance import expected_acceptance
-
         chains = expected_acceptance(target, drafter, prompt_set.prompts, prompt_set.sampled, accept_depth, batch_size)
         return [c.forced_total if forced else c.total for c in chains], [c.anchors for c in chains]
     if temperature == 0:
-        from mmvsd.training.acceptance import evaluate_acceptance
-
         report = evaluate_acceptance(target, drafter, prompt_set.prompts, prompt_set.continuations, shape, batch_size)
         return [p.new_tokens for p in report.prompts], [p.target_forwards for p in report.prompts]
-    from mmvsd.decoding.decode import DecodeConfig, generate_each
 
     prompts = measured_prompts(prompt_set, temperature, sampled_limit)
     max_new = max(len(c) for c in prompt_set.continuations)
@@ -290,11 +285,6 @@ def evaluate_all(args: argparse.Namespace, target, runs: list[dict], prompt_sets
     an interrupted study, or one asked for another budget or metric, measures only what is new. Two evaluators
     may share the file (`--evaluate-finished` beside the study): each reads the other's measurements before
     making one and merges them into what it writes (a measurement lost to a write in between is made again)."""
-    from mmvsd.decoding.tree import TreeShape
-    from mmvsd.drafters.spec import neural_drafter_from_spec
-    from mmvsd.files import atomic_file
-    from mmvsd.shipped import weights_sha256
-
     shape = TreeShape.parse(args.tree)
     cache_path = Path(args.out) / EVAL_CACHE_FILE
     cache = read_cache(cache_path)
@@ -393,8 +383,6 @@ def summarise(args: argparse.Namespace, runs: list[dict], counts: dict, set_name
 
 
 def write_outputs(args: argparse.Namespace, runs: list[dict], counts: dict, rows: list[dict]) -> None:
-    from mmvsd.files import atomic_file
-
     out = Path(args.out)
     decision = decide(rows)
     result = {"config": {k: v for k, v in vars(args).items()}, "runs": runs, "counts": counts, "summary": rows,
@@ -460,8 +448,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def check_args(args: argparse.Namespace, arms: list[Arm]) -> None:
-    from mmvsd.errors import UserError
-
     names = [a.name for a in arms]
     if len(set(names)) != len(names):
         raise UserError(f"arm names must differ: {names}")
@@ -492,8 +478,6 @@ def evaluate_finished(args: argparse.Namespace, target=None) -> int:
     train nothing; returns how many runs it found. Run beside a study still training (on a small CPU one
     thread each: the evaluation's small decode steps gain little from a second thread), so the study's own
     evaluation later finds those measurements made."""
-    from mmvsd.target_loader import load_target
-
     target = target if target is not None else load_target(args.target)
     runs = finished_runs(args)
     evaluate_all(args, target, runs, study_prompt_sets(args, target))
@@ -502,11 +486,6 @@ def evaluate_finished(args: argparse.Namespace, target=None) -> int:
 
 def run_study(args: argparse.Namespace, target=None) -> list[dict]:
     """Train every run, evaluate them and the init drafter, write the reports; returns the summary rows."""
-    import torch
-
-    from mmvsd.target_loader import load_target
-    from mmvsd.training.trainer import TARGET_DTYPES, load_training_target
-
     arms = [parse_arm(spec) for spec in (args.arm or DEFAULT_ARMS)]
     check_args(args, arms)
     # every run's config is valid before any training starts
@@ -526,8 +505,6 @@ def run_study(args: argparse.Namespace, target=None) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mmvsd.errors import UserError
-
     args = parse_args(argv)
     try:
         if args.evaluate_finished:
