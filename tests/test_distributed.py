@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from conftest import save_tiny_target, write_sharegpt
 from mmvsd.cli import main
 from mmvsd.errors import UserError
-from mmvsd.training import trainer
+from mmvsd.training import sources, trainer
 from mmvsd.training.distributed import BatchSplit, GlobalMean, batch_mean, rank_seed
 
 SETTINGS = ["draft_vocab_size=64", "loss.ttt_steps=3", "loss.num_samples=4", "loss.num_anchors=2",
@@ -140,7 +140,7 @@ def test_global_mean_makes_the_averaged_gradient_the_global_batch_mean():
 
 
 def test_every_micro_batch_is_full_and_each_epoch_covers_every_example():
-    batches = [trainer.batch_indices(10, 4, seed=1, micro_step=step) for step in range(6)]
+    batches = [sources.batch_indices(10, 4, seed=1, micro_step=step) for step in range(6)]
     assert all(len(batch) == 4 for batch in batches)
     first_epoch = [i for batch in batches[:3] for i in batch]
     assert set(first_epoch) == set(range(10)) and len(first_epoch) == 12  # the last batch filled up with 2

@@ -20,6 +20,7 @@ from mmvsd.drafters.vispec import ViSpecDrafter
 from mmvsd.errors import UserError
 from mmvsd.layouts.export import export_drafter
 from mmvsd.layouts.registry import layout
+from mmvsd.shipped import default_drafter, list_shipped
 from mmvsd.target import Target
 from mmvsd.target_loader import load_target
 from mmvsd.training.config import TrainConfig
@@ -274,3 +275,13 @@ def test_export_command(llava_target, tmp_path, capsys):
     assert cli_main(["export", "--drafter", str(tmp_path / "msd"), "--format", "vispec", str(tmp_path / "x")]) == 2
     assert "--format vispec holds 'vispec' drafters" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_init_names_a_shipped_drafter_of_the_target():
+    """`--init eagle3-ce` (or `default`) continues a drafter shipped for the target, its files verified first."""
+    for drafter in [d for d in list_shipped() if d.target == "smollm2-135m"]:
+        source = resolve_init(drafter.name, "smollm2-135m")
+        assert source.path == drafter.folder and source.layout is layout("hf")
+    assert resolve_init("default", "smollm2-135m").path == default_drafter("smollm2-135m").folder
+    with pytest.raises(UserError, match=r"a shipped drafter of 'smollm2-135m' \(eagle3-accept, "):
+        resolve_init("no-such-drafter", "smollm2-135m")

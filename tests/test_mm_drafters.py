@@ -24,7 +24,8 @@ from mmvsd.drafters.vispec import ViSpecConfig, ViSpecDrafter
 from mmvsd.errors import UserError
 from mmvsd.target_loader import load_target
 from mmvsd.training.config import TrainConfig
-from mmvsd.training.trainer import curriculum_indices, train
+from mmvsd.training.sources import curriculum_indices
+from mmvsd.training.trainer import train
 
 QUESTIONS = ["w5 w6 w7", "w8 w9", "w10 w11 w12"]
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from conftest import TINY, save_tiny_target, write_sharegpt
 from mmvsd.cli import main
 from mmvsd.errors import UserError
-from mmvsd.training import trainer
+from mmvsd.training import sources, trainer
 from mmvsd.training.config import TrainConfig, load_train_config
 from mmvsd.training.dataset import draft_vocab_from_counts
 
@@ -230,9 +230,9 @@ def test_learning_rate_schedule_warmup_then_cosine_to_floor():
 
 
 def test_batches_cover_every_example_once_per_epoch():
-    seen = [i for step in range(5) for i in trainer.batch_indices(10, 2, seed=3, micro_step=step)]
+    seen = [i for step in range(5) for i in sources.batch_indices(10, 2, seed=3, micro_step=step)]
     assert sorted(seen) == list(range(10))
-    second_epoch = [i for step in range(5, 10) for i in trainer.batch_indices(10, 2, seed=3, micro_step=step)]
+    second_epoch = [i for step in range(5, 10) for i in sources.batch_indices(10, 2, seed=3, micro_step=step)]
     assert sorted(second_epoch) == list(range(10)) and second_epoch != seen  # reshuffled each epoch
 
 

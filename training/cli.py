@@ -15,7 +15,8 @@ def add_train_command(sub: argparse._SubParsersAction) -> None:
                        description="Train a drafter. Settings: defaults < --config YAML < flags < key=value.")
     p.add_argument("--target", help="built-in name, local folder, .gguf file or HF id")
     p.add_argument("--drafter", help="drafter architecture (default eagle3)")
-    p.add_argument("--init", help="none (default) | a drafter folder | a released layout (eagle3) | LAYOUT:PATH")
+    p.add_argument("--init", help="none (default) | a drafter folder | a released layout (eagle3) | LAYOUT:PATH | a "
+                                  "shipped drafter of the target (e.g. eagle3-ce, or default)")
     p.add_argument("--objective", help=objective_help())
     p.add_argument("--data", help="auto (default: ShareGPT; for an image drafter on an image target ShareGPT + "
                                   "LLaVA-Instruct), sharegpt, sharegpt:PATH, llava-instruct:PATH or a JSON/JSONL file; "

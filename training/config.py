@@ -47,6 +47,10 @@ class TrainConfig:
     num_conversations: int = 0  # 0: all (per dataset of a mixture)
     max_length: int = 2048
     validation_fraction: float = 0.01
+    data_order: str = "shuffle"  # shuffle: a seeded permutation per epoch | shards: `data` is a folder that `mmvsd
+    # regenerate` is still writing, read shard by shard once; a run stops at its finished shards and resumes past them
+    wait_for_shards: bool = False  # data_order=shards: at the finished shards' end wait for the next (the manifest is
+    # read every minute) instead of stopping, until the regeneration is complete or max_minutes is spent
     regenerate: str = "none"  # none | greedy | sample: answer with the target first (on-policy)
     regenerate_max_new_tokens: int = 512
     regenerate_batch_size: int = 64  # answers generated together (one batched forward per token)
@@ -100,6 +104,7 @@ class TrainConfig:
         choices = {"regenerate": ("none", "greedy", "sample"),
                    "features": ("online", "offline"), "schedule": ("cosine", "linear"),
                    "media_curriculum": ("auto", "on", "off"),
+                   "data_order": ("shuffle", "shards"),
                    "precision": ("fp32", "bf16"), "target_dtype": ("fp32", "bf16"),
                    "target_engine": ("exact", "stock")}
         for key, allowed in choices.items():
@@ -109,6 +114,12 @@ class TrainConfig:
             raise UserError("no target: pass --target NAME")
         if not self.output:
             raise UserError("no output folder: pass --output DIR")
+        if self.wait_for_shards and self.data_order != "shards":
+            raise UserError("wait_for_shards=true waits for a regeneration's shards: it takes data_order=shards")
+        if self.data_order == "shards" and (self.features != "online" or self.regenerate != "none"):
+            raise UserError("data_order=shards reads the answers of a `mmvsd regenerate` folder with features captured "
+                            f"online: it takes features=online and regenerate=none (got {self.features}, "
+                            f"{self.regenerate})")
         if self.features == "offline" and not self.feature_cache:
             raise UserError("features=offline needs feature_cache=DIR (written by `mmvsd prepare`)")
         if self.warmup_steps < 0 or self.stop_at_step < 0:

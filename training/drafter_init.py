@@ -18,6 +18,7 @@ from mmvsd.checkpoints import hf_cache_snapshot, hf_hub_cache
 from mmvsd.errors import UserError
 from mmvsd.layouts.base import Layout
 from mmvsd.layouts.registry import LAYOUTS, folder_layout, layout_names, load_with
+from mmvsd.shipped import default_drafter, list_shipped, resolve_drafter
 
 if TYPE_CHECKING:
     from mmvsd.drafter_base import Drafter
@@ -36,7 +37,8 @@ class InitSource:
 
 
 def resolve_init(spec: str, target_name: str) -> InitSource | None:
-    """Resolve `--init` (none | PATH | LAYOUT | LAYOUT:PATH) to a folder and layout; None for none."""
+    """Resolve `--init` (none | PATH | LAYOUT | LAYOUT:PATH | a shipped drafter's name, or default) to a folder and
+    layout; None for none."""
     if spec == "none":
         return None
     path = Path(spec).expanduser()
@@ -51,8 +53,12 @@ def resolve_init(spec: str, target_name: str) -> InitSource | None:
         return InitSource(LAYOUTS[name], folder)
     if spec in LAYOUTS:
         return InitSource(LAYOUTS[spec], released_folder(LAYOUTS[spec], target_name))
-    raise UserError(f"--init {spec!r}: no such folder, and not 'none', a layout name ({', '.join(names)}) "
-                    f"or LAYOUT:PATH")
+    shipped = {drafter.name: drafter for drafter in list_shipped() if drafter.target == target_name}
+    if spec in shipped or (spec == "default" and default_drafter(target_name) is not None):
+        folder = resolve_drafter(spec, target_name)  # verified against its manifest
+        return InitSource(folder_layout(folder), folder)
+    raise UserError(f"--init {spec!r}: no such folder, and not 'none', a layout name ({', '.join(names)}), "
+                    f"LAYOUT:PATH or a shipped drafter of {target_name!r} ({', '.join(shipped) or 'none'})")
 
 
 def released_folder(layout: Layout, target_name: str) -> Path:

@@ -39,6 +39,7 @@ from mmvsd.training.config import TrainConfig
 from mmvsd.training.dataset import data_specs
 from mmvsd.training.drafter_init import resolve_init
 from mmvsd.training.feature_cache import feature_bytes_per_token
+from mmvsd.training.shard_stream import finished_shards
 from mmvsd.training.terms import ESTEP_CORRECTIONS, objective_terms
 from mmvsd.training.trainer import check_dataset_exists, dataset_image_root, total_steps
 from mmvsd.training.training_data import resolve_training_data, target_config_path, text_only_warning
@@ -179,6 +180,12 @@ def data_plan(config: TrainConfig, image_tokens: int) -> DataPlan:
         where = f", images under {root}" if images or stats.num_missing_images else ""
         missing = f" ({stats.num_missing_images} with a missing image)" if stats.num_missing_images else ""
         lines.append(f"{spec}: {len(conversations)} conversations, {images} with an image{missing}{where}")
+    if config.data_order == "shards":  # planned for the whole regeneration, as the run's schedule is
+        manifest, finished = finished_shards(Path(config.data))
+        lines.append(f"{len(finished)} of {manifest['num_shards']} shards finished; planned for all "
+                     f"{manifest['num_conversations']} conversations (data_order=shards)")
+        tokens = round(tokens * manifest["num_conversations"] / max(1, examples))
+        examples = manifest["num_conversations"]
     train = examples - round(examples * config.validation_fraction)
     return DataPlan(train, round(tokens * train / max(1, examples)), lines, num_images)
 

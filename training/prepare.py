@@ -8,7 +8,8 @@ from pathlib import Path
 from mmvsd.errors import UserError
 from mmvsd.training.config import TrainConfig
 from mmvsd.training.feature_cache import plan_feature_cache, write_feature_cache
-from mmvsd.training.trainer import config_examples, data_settings, load_training_target
+from mmvsd.training.sources import config_examples, data_settings
+from mmvsd.training.trainer import load_training_target
 from mmvsd.training.training_data import resolve_training_data
 
 DTYPES = {"auto": None, "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}

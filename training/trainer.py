@@ -37,7 +37,7 @@ from mmvsd.target import Target
 from mmvsd.target_loader import load_target
 from mmvsd.training.acceptance import TauMonitor
 from mmvsd.training.config import TrainConfig
-from mmvsd.training.dataset import ExampleSplit, data_specs, draft_vocab_from_counts, load_examples, token_frequencies
+from mmvsd.training.dataset import data_specs, draft_vocab_from_counts, token_frequencies
 from mmvsd.training.distributed import (
     BatchSplit,
     Mean,
@@ -48,9 +48,14 @@ from mmvsd.training.distributed import (
     reduce_metrics,
 )
 from mmvsd.training.drafter_init import InitSource, resolve_init
-from mmvsd.training.feature_cache import FeatureCache, check_cache_matches
-from mmvsd.training.features import FeatureBatch, capture_features, collate
-from mmvsd.training.media import embed_batch, media_adapter
+from mmvsd.training.shard_stream import check_stream_resume
+from mmvsd.training.sources import (
+    follow_stream,
+    micro_batch_indices,
+    stream_reaches,
+    training_source,
+    uses_curriculum,
+)
 from mmvsd.training.terms import make_objective, progress_labels
 from mmvsd.training.training_data import resolve_training_data, text_only_warning
 
@@ -62,6 +67,7 @@ STATE_FILE = "trainer_state.json"
 RESUMABLE_CHANGES = {"progress", "log_every", "save_every", "keep_checkpoints", "max_bad_steps", "eval_every",
                      "eval_prompts", "eval_limit", "eval_max_new_tokens", "eval_tree",
                      "max_minutes", "stop_at_step",  # this process's budget: the schedule follows max_steps
+                     "wait_for_shards",  # whether this process waits for more shards at the finished ones' end
                      "output",  # the run's folder, which may have moved or be named by another path
                      "target_engine"}  # the target's kernels, not what it computes (features differ in the last bits)
 BATCH_KEYS = {"batch_size", "global_batch_size"}  # compared as the global batch they give (`check_resume_split`)
@@ -77,6 +83,9 @@ class TrainState:
     tokens_seen: int = 0  # sequence tokens (padding excluded) in the micro-batches of the steps done, all processes
     num_processes: int = 1  # of the run that wrote the checkpoint
     global_batch: int = 0  # examples per micro-batch over all processes (0: a checkpoint older than this field)
+    data_key: str = ""  # data_order=shards: the regeneration read (shard_stream.stream_key)
+    data_blocks: list[int] = field(default_factory=list)  # data_order=shards: train examples per shard read
+    planned_steps: int = 0  # data_order=shards: the schedule's length, fixed when the run starts
 
 
 def lr_lambda(config: TrainConfig, total_steps: int):
@@ -95,33 +104,6 @@ def lr_lambda(config: TrainConfig, total_steps: int):
         return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
-
-
-def batch_indices(num_examples: int, batch_size: int, seed: int, micro_step: int) -> list[int]:
-    """Example indices of micro-batch `micro_step`: a fresh seeded permutation every epoch, its last batch filled
-    up from the permutation's start (as a distributed sampler pads), so every batch holds `batch_size` examples."""
-    per_epoch = math.ceil(num_examples / batch_size)
-    epoch, slot = divmod(micro_step, per_epoch)
-    order = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-    order = torch.cat([order, order[: per_epoch * batch_size - num_examples]])
-    return order[slot * batch_size : (slot + 1) * batch_size].tolist()
-
-
-def curriculum_indices(is_media: list[bool], batch_size: int, seed: int, micro_step: int, num_micro: int) -> list[int]:
-    """MSD's two-stage curriculum: text-only batches for the first half of the run, then each slot holds a
-    media example with a probability rising linearly to 1 at the end (seeded by step, so resumable)."""
-    text = [i for i, flag in enumerate(is_media) if not flag]
-    media = [i for i, flag in enumerate(is_media) if flag]
-    if not text or not media:
-        return batch_indices(len(is_media), batch_size, seed, micro_step)
-    half = num_micro / 2
-    share = 0.0 if micro_step < half else min(1.0, (micro_step + 1 - half) / max(1.0, num_micro - half))
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + micro_step)
-    picks = []
-    for _ in range(batch_size):
-        pool = media if float(torch.rand((), generator=generator)) < share else text
-        picks.append(pool[int(torch.randint(len(pool), (), generator=generator))])
-    return picks
 
 
 def total_steps(config: TrainConfig, num_examples: int, global_batch: int) -> int:
@@ -221,42 +203,6 @@ def check_resume_split(checkpoint: Path, saved: TrainState, split: BatchSplit, s
                         f"optimizer state in {saved.num_processes} shards; resume with {saved.num_processes}")
 
 
-class OnlineSource:
-    """Training batches whose target features are captured inside the step (media embedded per batch)."""
-
-    def __init__(self, target: Target, examples: list, adapter_name: str = "") -> None:
-        self.target = target
-        self.examples = examples
-        self.is_media = [bool(ex.media) for ex in examples]
-        self.adapter = media_adapter(target, adapter_name) if any(self.is_media) else None
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def batch(self, indices: list[int]) -> FeatureBatch:
-        examples = [self.examples[i] for i in indices]
-        tokens = collate(examples)
-        if self.adapter is not None:
-            tokens = embed_batch(self.target, self.adapter, tokens, examples)
-        return capture_features(self.target, tokens, keep_cache=True)
-
-
-class OfflineSource:
-    """Training batches read from a feature cache written by `mmvsd prepare`."""
-
-    def __init__(self, cache, dtype: torch.dtype) -> None:
-        self.cache = cache
-        self.dtype = dtype
-        self.examples = cache.token_examples()
-        self.is_media = [False] * len(self.examples)
-
-    def __len__(self) -> int:
-        return len(self.cache)
-
-    def batch(self, indices: list[int]) -> FeatureBatch:
-        return self.cache.batch(indices, dtype=self.dtype)
-
-
 def check_output(out_dir: Path, resume: bool) -> Path | None:
     """The checkpoint to resume from (None for a fresh run); never overwrite an earlier run."""
     latest = latest_checkpoint(out_dir)
@@ -353,7 +299,7 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
     if resume_from is not None:
         check_resume_config(resume_from, config)
     read = None  # the dataset files, read once: checked here, rendered after the target loads
-    if config.features == "online":
+    if config.features == "online" and config.data_order == "shuffle":
         read = check_dataset_exists(config.data, config.image_root, config.num_conversations)
     check_init(config)
     accelerator, split = _accelerator(config, out_dir)
@@ -369,13 +315,32 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
                         f"{accelerator.device}: load it there (load_target(..., device=...))")
     target.model.to(accelerator.device)
     monitor = _tau_monitor(config, target, accelerator)
-    source = _training_source(config, target, out_dir, read)
+    deadline = time.monotonic() + 60 * config.max_minutes if config.max_minutes > 0 else math.inf
+    source = training_source(config, target, read)
+    if source.stream is not None:
+        if resume_from is not None:
+            check_stream_resume(state.data_key, state.data_blocks, source.stream, resume_from)
+        state.data_key, state.data_blocks = source.stream.key, source.stream.blocks
+        reaches = stream_reaches(config, source, split.global_size, state.step) or (
+            config.wait_for_shards and follow_stream(config, target, source, split.global_size, state.step, deadline))
+        if not reaches:
+            if resume_from is None:
+                raise UserError(f"the finished shards of {config.data} hold fewer examples than one step takes "
+                                f"({split.global_size * config.grad_accum}): train when more are finished")
+            logger.warning("no finished shard past step %d yet: nothing to train; run again with --resume when "
+                           "`mmvsd regenerate` has finished more", state.step)
+            return out_dir
     if warning := text_only_warning(config, target, sum(source.is_media)):
         logger.warning(warning)
     split.check_fits(len(source))
     drafter = build_drafter(config, target, source.examples)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
-    steps = total_steps(config, len(source), split.global_size)
+    steps = state.planned_steps or total_steps(config, source.stream.planned if source.stream else len(source),
+                                               split.global_size)
+    state.planned_steps = steps if source.stream is not None else 0  # more shards later must not stretch it
+    if source.stream is not None and uses_curriculum(config, drafter, source):
+        raise UserError("the media curriculum draws from all the data at once; with data_order=shards set "
+                        "media_curriculum=off")
     if config.max_minutes > 0 and uses_curriculum(config, drafter, source):
         logger.warning("the media curriculum shows no media before step %d of %d; max_minutes=%g may end the run "
                        "first (media_curriculum=off mixes them in from the start)", steps // 2, steps,
@@ -392,18 +357,25 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
     accelerator.init_trackers("train", config=_scalar_config(config))
     bar = tqdm(total=steps, initial=state.step, desc=f"train {config.objective}", dynamic_ncols=True,
                disable=not (config.progress and accelerator.is_main_process))
-    deadline = time.monotonic() + 60 * config.max_minutes if config.max_minutes > 0 else math.inf
     while state.step < steps:
         metrics = _optimizer_step(run, state)
         state.step += 1
         bar.update(1)
         if time.monotonic() > deadline or state.step == config.stop_at_step:  # a budget: stop as if at the end
             steps = state.step
+        elif state.step < steps and not (stream_reaches(config, source, split.global_size, state.step) or (
+                config.wait_for_shards and follow_stream(config, target, source, split.global_size, state.step,
+                                                         deadline))):
+            logger.warning("trained through the %d finished shards at step %d of %d; run again with --resume when "
+                           "`mmvsd regenerate` has finished more", len(source.stream.blocks), state.step, steps)
+            steps = state.step
         if monitor is not None and (state.step % config.eval_every == 0 or state.step == steps):
             _log_tau(monitor, run.drafter, accelerator, out_dir, state)
         bar.set_postfix(_postfix(metrics, monitor), refresh=False)
         if state.step % config.log_every == 0 or state.step == steps:
             accelerator.log({f"train/{k}": v for k, v in metrics.items()}, step=state.step)
+        if source.stream is not None:
+            state.data_blocks = source.stream.blocks  # the shards the run may read now (wait_for_shards adds some)
         if state.step % config.save_every == 0 or state.step == steps:
             save_checkpoint(accelerator, out_dir, config, state)
     bar.close()
@@ -522,21 +494,6 @@ def _optimizer_step(run: Run, state: TrainState) -> dict:
     return totals
 
 
-def uses_curriculum(config: TrainConfig, drafter: Drafter, source) -> bool:
-    """Whether batches follow the media curriculum (asked for, or the drafter's default, and media to show)."""
-    asked = config.media_curriculum == "on" or (config.media_curriculum == "auto" and drafter.media_curriculum)
-    return asked and any(source.is_media)
-
-
-def micro_batch_indices(config: TrainConfig, drafter: Drafter, source, micro_step: int, num_steps: int,
-                        global_batch: int) -> list[int]:
-    """Examples of one global micro-batch: shuffled epochs, or the media curriculum when it applies."""
-    if uses_curriculum(config, drafter, source):
-        return curriculum_indices(source.is_media, global_batch, config.seed, micro_step,
-                                  num_steps * config.grad_accum)
-    return batch_indices(len(source), global_batch, config.seed, micro_step)
-
-
 def _skip_step(config: TrainConfig, optimizer, scheduler, state: TrainState) -> dict:
     """Drop a step whose loss is NaN/inf; stop the run after `max_bad_steps` of them."""
     optimizer.zero_grad(set_to_none=True)
@@ -548,34 +505,3 @@ def _skip_step(config: TrainConfig, optimizer, scheduler, state: TrainState) -> 
                         f"{config.max_bad_steps}); the last checkpoint is intact. "
                         "Lower learning_rate or use precision=fp32")
     return {"bad_steps": float(state.num_bad_steps)}
-
-
-def _training_source(config: TrainConfig, target: Target, out_dir: Path, read: dict | None = None):
-    """Where batches come from: rendered examples with online capture (`read`: the dataset files as
-    `check_dataset_exists` read them), or the offline cache."""
-    if config.features == "offline":
-        cache = FeatureCache(config.feature_cache)
-        check_cache_matches(cache, target, data_settings(config))
-        return OfflineSource(cache, target.dtype)
-    split = config_examples(config, target, read)
-    return OnlineSource(target, split.train, config.adapter)
-
-
-def config_examples(config: TrainConfig, target: Target, read: dict | None = None) -> ExampleSplit:
-    """The examples a run with `config` trains on (the same for `mmvsd train` and `mmvsd prepare`; `read`: the
-    dataset files already read by `check_dataset_exists`)."""
-    return load_examples(
-        target, config.data, num_conversations=config.num_conversations, max_length=config.max_length,
-        validation_fraction=config.validation_fraction, seed=config.seed, regenerate=config.regenerate,
-        regenerate_max_new_tokens=config.regenerate_max_new_tokens,
-        regenerate_cache=Path(config.regenerate_cache) if config.regenerate_cache else None,
-        regenerate_batch_size=config.regenerate_batch_size, progress=config.progress, adapter=config.adapter,
-        image_root=config.image_root, read=read,
-    )
-
-
-def data_settings(config: TrainConfig) -> dict:
-    """The settings that decide which examples a feature cache holds."""
-    keys = ("target", "data", "adapter", "num_conversations", "max_length", "validation_fraction", "seed",
-            "regenerate", "regenerate_max_new_tokens")
-    return {k: getattr(config, k) for k in keys}
