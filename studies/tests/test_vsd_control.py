@@ -233,11 +233,11 @@ def test_whole_control_at_toy_size_resumes_an_interrupted_arm_and_reuses_finishe
     assert "regenerate: greedy" in greedy and "objective: ce" in greedy
     assert "| ce+vsd | ce+vsd | sample |" in result["table"]
 
-    monkeypatch.setattr(trainer, "train", lambda *a, **k: pytest.fail("a finished arm was trained again"))
+    monkeypatch.setattr(control, "train", lambda *a, **k: pytest.fail("a finished arm was trained again"))
     again = control.run_control(config, tmp_path / "out", arms, None, log=lambda *a: None)
     assert again["summary"] == saved["summary"]
 
-    monkeypatch.setattr(trainer, "train", real_train)  # a second seed: its arms train, the first seed's are reused
+    monkeypatch.setattr(control, "train", real_train)  # a second seed: its arms train, the first seed's are reused
     pooled = control.run_control(config, tmp_path / "out", arms[:2], None, log=lambda *a: None,
                                  replicates=[(tmp_path / "out", 0), (tmp_path / "out", 1)])
     assert [r["arm_seed"] for r in pooled["replicates"]] == [0, 1]

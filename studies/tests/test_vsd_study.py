@@ -167,7 +167,7 @@ def test_measurements_are_cached_by_weights_and_settings(study, tmp_path, monkey
         return [3] * n, [2] * n
 
     monkeypatch.setattr(study, "measure_counts", fake_measure)
-    monkeypatch.setattr("mmvsd.drafters.spec.neural_drafter_from_spec", lambda folder, target: drafters[folder])
+    monkeypatch.setattr(study, "neural_drafter_from_spec", lambda folder, target: drafters[folder])
     sets = [study.PromptSet("p", as_prompts([[i] for i in range(5)]))]
     args = study.parse_args(["--init", "a", "--out", str(tmp_path), "--temperatures", "0,1", "--sampled-limit", "2"])
     counts = study.evaluate_all(args, None, [], sets)
@@ -209,7 +209,7 @@ def test_evaluate_finished_measures_the_trained_runs_for_the_study_and_shares_th
         return [3] * len(ps.prompts), [2] * len(ps.prompts)
 
     monkeypatch.setattr(study, "measure_counts", fake_measure)
-    monkeypatch.setattr("mmvsd.drafters.spec.neural_drafter_from_spec", lambda folder, target: drafters[folder])
+    monkeypatch.setattr(study, "neural_drafter_from_spec", lambda folder, target: drafters[folder])
     sets = [study.PromptSet("p", as_prompts([[i] for i in range(4)]))]
     monkeypatch.setattr(study, "study_prompt_sets", lambda args, target: sets)
     for name in ("ce-steps-s0", "recipe-steps-s0"):
@@ -320,8 +320,6 @@ def test_the_chain_metrics_counts_are_the_evaluators_sums(study, tiny_target, ra
 def test_the_training_target_is_loaded_as_mmvsd_train_loads_it(study, tiny_target, monkeypatch):
     """run_study trains on the config's target_dtype and target_engine (`load_training_target`), and reuses the
     evaluation's fp32 target when the config asks for fp32 (the engine only changes a half-precision target)."""
-    import mmvsd.training.trainer as trainer
-
     loaded, trained_on = [], []
 
     class Stop(Exception):
@@ -335,7 +333,7 @@ def test_the_training_target_is_loaded_as_mmvsd_train_loads_it(study, tiny_targe
         trained_on.append(target)
         raise Stop
 
-    monkeypatch.setattr(trainer, "load_training_target", fake_load)
+    monkeypatch.setattr(study, "load_training_target", fake_load)
     monkeypatch.setattr(study, "train_all", fake_train_all)
     base = ["--init", "x", "--config", "", "--seeds", "1", "--evaluate-budgets", "steps", "--set", "data=x.json"]
     for sets, expected in ((["target_dtype=fp32", "target_engine=exact"], []),
