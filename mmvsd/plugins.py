@@ -44,8 +44,9 @@ def load_plugins() -> None:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    """Let every `mmvsd.commands` entry point add its subcommand to `sub`: mmvsd's own first, in pyproject's order
-    (one that fails to load is a bug, and raises), then other packages' (one that fails is logged and skipped).
+    """Let every `mmvsd.commands` entry point add its subcommand to `sub`: mmvsd's own first, by name (setuptools
+    sorts them; one that fails to load is a bug, and raises), then other packages' (one that fails is logged and
+    skipped).
     A PLUGIN_COMMANDS name that none added gets a stand-in that says how to install its plugin."""
     entries = list(importlib.metadata.entry_points(group=COMMANDS_ENTRY_POINT))
     own = [entry for entry in entries if _distribution(entry) == "mmvsd"]
@@ -54,9 +55,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                         "writes; install it (`pip install -e .` in a checkout) and run again")
     for entry in own:
         entry.load()(sub)
-    for entry in entries:
-        if entry in own:
-            continue
+    for entry in [entry for entry in entries if entry not in own]:
         try:
             entry.load()(sub)
         except Exception as err:  # noqa: BLE001  reported, then mmvsd's own commands still work
