@@ -66,12 +66,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # runs in the child before exec
-    """Ask Linux to kill this process when its parent dies (a crashed or killed mmvsd leaves no server)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass  # not Linux: the context manager and atexit-free stop() still end it on normal exits
+def _own_group() -> None:  # runs in the child before exec
+    """Put the server in a process group of its own (`stop` signals the group; a terminal's Ctrl-C reaches mmvsd,
+    which stops it) but in mmvsd's session: a new session would also be a new scheduler autogroup on Linux, where
+    the server would escape `nice mmvsd ...` and take a core's share of its own beside every other job. On Linux,
+    also ask to be killed when the parent dies (a crashed or killed mmvsd leaves no server)."""
+    os.setpgid(0, 0)
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            pass  # the context manager and stop() still end it on normal exits
 
 
 class LlamaServer:
@@ -107,9 +112,8 @@ class LlamaServer:
             self.port = free_port()
             self.log.seek(0)
             self.log.truncate()
-            preexec = _die_with_parent if sys.platform.startswith("linux") else None
             self.process = subprocess.Popen(self.command(self.port), stdout=self.log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=preexec)
+                                            stdin=subprocess.DEVNULL, preexec_fn=_own_group)
             try:
                 if self.wait_ready():
                     return

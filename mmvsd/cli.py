@@ -8,6 +8,7 @@ module imports nothing above the core, and a package of yours adds `mmvsd yourco
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from mmvsd.errors import UserError
@@ -69,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mmvsd: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`mmvsd drafters list | head`): stop quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush must not raise again
+        return 141  # 128 + SIGPIPE
     return 0
 
 

@@ -124,6 +124,9 @@ def test_ctrl_c_and_errors_leave_no_server():
     with pytest.raises(KeyboardInterrupt):
         with server:
             pid = server.process.pid
+            # its own process group (stop() signals it), in mmvsd's session: so in mmvsd's scheduler autogroup,
+            # where `nice mmvsd ...` lowers it too
+            assert os.getpgid(pid) == pid and os.getsid(pid) == os.getsid(0)
             raise KeyboardInterrupt
     assert not alive(pid)
     stack = ExitStack()

@@ -24,7 +24,8 @@ from torch import Tensor, nn
 from mmvsd.errors import UserError
 
 Mean = Callable[[Tensor, Tensor], Tensor]  # (sum over this process's items, their count) -> the loss's mean
-RANK_SEED_STRIDE = 2**40  # far apart from the single-process seeds seed * 1_000_003 + micro_step
+SEED_STRIDE = 1_000_003  # the run's seed times this, plus an index, seeds one of its derived streams
+RANK_SEED_STRIDE = 2**40  # far apart from the single-process seeds derived_seed(seed, micro_step)
 
 
 def batch_mean(total: Tensor, count: Tensor) -> Tensor:
@@ -82,9 +83,15 @@ class BatchSplit:
                             f"or global_batch_size, or use more data")
 
 
+def derived_seed(seed: int, index: int) -> int:
+    """The seed of a run's `index`-th stream of one kind (an epoch's permutation, a micro-step's draws, a shard's
+    permutation and validation split): every derived seed of the run comes from here."""
+    return seed * SEED_STRIDE + index
+
+
 def rank_seed(seed: int, micro_step: int, rank: int) -> int:
     """The seed of process `rank`'s random stream at `micro_step` (process 0: the single-process seed)."""
-    return seed * 1_000_003 + micro_step + rank * RANK_SEED_STRIDE
+    return derived_seed(seed, micro_step) + rank * RANK_SEED_STRIDE
 
 
 class TrainingStep(nn.Module):

@@ -27,9 +27,9 @@ from mmvsd.data.render import split_conversations
 from mmvsd.errors import UserError
 from mmvsd.target import Target
 from mmvsd.training.dataset import render_all
+from mmvsd.training.distributed import derived_seed
 from mmvsd.training.regenerate_shards import read_manifest, shard_path
 
-SHARD_SEED = 1_000_003  # a shard's permutation and validation split use seed * SHARD_SEED + its index
 POLL_SECONDS = 60.0  # wait_for_shards: how often the manifest is read again
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def load_shard_stream(target: Target, folder: str | Path, *, max_length: int, va
     train, validation, blocks, dropped, conversations = [], [], [], 0, 0
     for index, path in enumerate(paths):
         shard = load_conversations(str(path))
-        shard_train, shard_validation = split_conversations(shard, validation_fraction, seed * SHARD_SEED + index)
+        shard_train, shard_validation = split_conversations(shard, validation_fraction, derived_seed(seed, index))
         examples, dropped_train = render_all(target, shard_train, max_length, adapter)
         held_out, dropped_validation = render_all(target, shard_validation, max_length, adapter)
         train += examples
@@ -87,16 +87,21 @@ def load_shard_stream(target: Target, folder: str | Path, *, max_length: int, va
     return ShardStream(train, validation, blocks, planned, stream_key(manifest), dropped)
 
 
+def stream_holds(blocks: list[int], batch_size: int, micro_step: int) -> bool:
+    """Whether the finished shards hold global micro-batch `micro_step` whole."""
+    return (micro_step + 1) * batch_size <= sum(blocks)
+
+
 def stream_indices(blocks: list[int], batch_size: int, seed: int, micro_step: int) -> list[int] | None:
     """Example indices of global micro-batch `micro_step` in the stream, None where the finished shards end first.
     Position p of the stream is example perm_b[p - start_b] of shard b, perm_b seeded by (seed, b)."""
-    start, end = micro_step * batch_size, (micro_step + 1) * batch_size
-    if end > sum(blocks):
+    if not stream_holds(blocks, batch_size, micro_step):
         return None
+    start, end = micro_step * batch_size, (micro_step + 1) * batch_size
     picks, offset = [], 0
     for index, size in enumerate(blocks):
         if offset < end and offset + size > start:
-            order = torch.randperm(size, generator=torch.Generator().manual_seed(seed * SHARD_SEED + index))
+            order = torch.randperm(size, generator=torch.Generator().manual_seed(derived_seed(seed, index)))
             picks += (order[max(start - offset, 0) : end - offset] + offset).tolist()
         offset += size
     return picks

@@ -14,6 +14,7 @@ from mmvsd.drafter_base import Drafter
 from mmvsd.target import Target
 from mmvsd.training.config import TrainConfig
 from mmvsd.training.dataset import ExampleSplit, load_examples
+from mmvsd.training.distributed import derived_seed
 from mmvsd.training.feature_cache import FeatureCache, check_cache_matches
 from mmvsd.training.features import FeatureBatch, capture_features, collate
 from mmvsd.training.media import embed_batch, media_adapter
@@ -21,6 +22,7 @@ from mmvsd.training.shard_stream import (
     ShardStream,
     check_stream_resume,
     load_shard_stream,
+    stream_holds,
     stream_indices,
     wait_for_shards,
 )
@@ -31,7 +33,7 @@ def batch_indices(num_examples: int, batch_size: int, seed: int, micro_step: int
     up from the permutation's start (as a distributed sampler pads), so every batch holds `batch_size` examples."""
     per_epoch = math.ceil(num_examples / batch_size)
     epoch, slot = divmod(micro_step, per_epoch)
-    order = torch.randperm(num_examples, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    order = torch.randperm(num_examples, generator=torch.Generator().manual_seed(derived_seed(seed, epoch)))
     order = torch.cat([order, order[: per_epoch * batch_size - num_examples]])
     return order[slot * batch_size : (slot + 1) * batch_size].tolist()
 
@@ -45,7 +47,7 @@ def curriculum_indices(is_media: list[bool], batch_size: int, seed: int, micro_s
         return batch_indices(len(is_media), batch_size, seed, micro_step)
     half = num_micro / 2
     share = 0.0 if micro_step < half else min(1.0, (micro_step + 1 - half) / max(1.0, num_micro - half))
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + micro_step)
+    generator = torch.Generator().manual_seed(derived_seed(seed, micro_step))
     picks = []
     for _ in range(batch_size):
         pool = media if float(torch.rand((), generator=generator)) < share else text
@@ -112,10 +114,7 @@ def micro_batch_indices(config: TrainConfig, drafter: Drafter, source, micro_ste
 
 def stream_reaches(config: TrainConfig, source, global_batch: int, step: int) -> bool:
     """Whether the data holds optimizer step `step` (0-based): always, except past the end of the finished shards."""
-    last_micro = (step + 1) * config.grad_accum - 1
-    if source.stream is None:
-        return True
-    return stream_indices(source.stream.blocks, global_batch, config.seed, last_micro) is not None
+    return source.stream is None or stream_holds(source.stream.blocks, global_batch, (step + 1) * config.grad_accum - 1)
 
 
 

@@ -1,0 +1,138 @@
+"""The scale issue's pre-registered objective pilot, read from `mmvsd eval-drafter --json` reports (docs/training.md,
+"The scale run's objective").
+
+    python -m mmvsd_studies.scale_pilot --baseline ce --reference start=START.json --arm ce=CE.json \
+        --arm ce+accept=ACCEPT.json --arm ce+vsd=VSD.json --out studies/results/scale_pilot_smollm2.json
+
+Each report is one drafter replayed on the same held-out prompts with an argmax chain (`--tree 3/3/1 --ngram off`):
+the target's greedy continuations are the same for every drafter, so the prompts pair. Per prompt, the tree steps
+after the prefill give the two primary measures, pooled over prompts:
+- first_token: the share of steps that accepted at least one draft token;
+- chain_3: draft tokens accepted per step (0-3).
+Each arm minus the baseline, with a paired bootstrap 95% interval over prompts. An arm beats the baseline when its
+chain_3 interval lies above 0 and its first_token interval does not lie below 0; an arm the baseline beats the
+same way loses; anything else is a tie, and a tie goes to the cheaper objective (the order of `--arm`, cheapest
+first). `--reference NAME=REPORT` (e.g. the arms' start) is measured and compared the same way but is not a
+candidate. `--tau NAME=REPORT` adds a secondary tau (tree 60/7/10), reported beside the primary measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from mmvsd_studies.study_stats import compare_arms, percentile_interval, prompt_resamples
+
+MEASURES = ("first_token", "chain_3")
+
+
+def prompt_counts(report: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per-prompt (numerator, denominator) [1, P] of each measure from one eval-drafter report."""
+    steps, first, accepted = [], [], []
+    for prompt in report["prompts"]:
+        lengths = prompt["accept_lengths"][1:]  # the first entry is the prefill's token
+        steps.append(len(lengths))
+        first.append(sum(length >= 2 for length in lengths))
+        accepted.append(sum(length - 1 for length in lengths))
+    den = np.array([steps], dtype=float)
+    return {"first_token": (np.array([first], dtype=float), den),
+            "chain_3": (np.array([accepted], dtype=float), den)}
+
+
+def tau_counts(report: dict) -> tuple[np.ndarray, np.ndarray]:
+    return (np.array([[p["new_tokens"] for p in report["prompts"]]], dtype=float),
+            np.array([[p["target_forwards"] for p in report["prompts"]]], dtype=float))
+
+
+def verdict(comparison: dict[str, dict]) -> str:
+    """beats | loses | tie, by the pre-registered rule (chain_3 decides, first_token must not go the other way)."""
+    chain, first = comparison["chain_3"]["diff_ci95"], comparison["first_token"]["diff_ci95"]
+    if chain[0] > 0 and not first[1] < 0:
+        return "beats"
+    if chain[1] < 0 and not first[0] > 0:
+        return "loses"
+    return "tie"
+
+
+def pilot(reports: dict[str, dict], baseline: str, taus: dict[str, dict], references: tuple[str, ...] = (),
+          resamples_count: int = 2000, seed: int = 0) -> dict:
+    """Every arm's measures with intervals, each non-baseline arm against the baseline, and the decision (among
+    the arms that are not `references`)."""
+    sizes = {len(report["prompts"]) for report in reports.values()}
+    if len(sizes) != 1:
+        sys.exit(f"scale_pilot: the reports hold different numbers of prompts ({sorted(sizes)})")
+    resamples = prompt_resamples(sizes.pop(), resamples_count, seed)
+    counts = {name: prompt_counts(report) for name, report in reports.items()}
+    out: dict = {"baseline": baseline, "arms": {}, "resamples": resamples_count}
+    for name, measures in counts.items():
+        row = {}
+        for measure, (num, den) in measures.items():
+            value = float(num.sum() / den.sum())
+            boot = num[0, resamples].sum(-1) / np.maximum(den[0, resamples].sum(-1), 1)
+            row[measure] = {"value": value, "ci95": percentile_interval(boot)}
+        if name in taus:
+            row["tau_60_7_10"] = float(tau_counts(taus[name])[0].sum() / tau_counts(taus[name])[1].sum())
+        if name != baseline:
+            row["vs_baseline"] = {m: compare_arms(counts[name][m], counts[baseline][m], resamples) for m in MEASURES}
+            row["verdict"] = verdict(row["vs_baseline"])
+        out["arms"][name] = row
+    beaten = [name for name, row in out["arms"].items() if row.get("verdict") == "beats" and name not in references]
+    best = max(beaten, key=lambda n: out["arms"][n]["vs_baseline"]["chain_3"]["diff"]) if beaten else baseline
+    out["decision"] = best
+    return out
+
+
+def format_pilot(result: dict) -> str:
+    lines = [f"{'arm':<12} {'first token':>22} {'chain_3':>22}  vs {result['baseline']}"]
+    for name, row in result["arms"].items():
+        cells = [f"{row[m]['value']:.3f} [{row[m]['ci95'][0]:.3f}, {row[m]['ci95'][1]:.3f}]" for m in MEASURES]
+        versus = ""
+        if "vs_baseline" in row:
+            diffs = [row["vs_baseline"][m] for m in MEASURES]
+            versus = "  ".join(f"{d['diff']:+.3f} [{d['diff_ci95'][0]:+.3f}, {d['diff_ci95'][1]:+.3f}]" for d in diffs)
+            versus += f"  {row['verdict']}"
+        tau = f"  tau {row['tau_60_7_10']:.3f}" if "tau_60_7_10" in row else ""
+        lines.append(f"{name:<12} {cells[0]:>22} {cells[1]:>22}  {versus}{tau}")
+    lines.append(f"decision: {result['decision']}")
+    return "\n".join(lines)
+
+
+def _named(items: list[str], flag: str) -> dict[str, dict]:
+    named = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep:
+            sys.exit(f"scale_pilot: {flag} {item!r}: expected NAME=REPORT.json")
+        try:
+            named[name] = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            sys.exit(f"scale_pilot: {flag} {name}: cannot read {path}: {err}")
+    return named
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--arm", action="append", required=True, help="NAME=REPORT.json, cheapest objective first")
+    parser.add_argument("--baseline", required=True)
+    parser.add_argument("--reference", action="append", default=[], help="NAME=REPORT.json, compared, not a candidate")
+    parser.add_argument("--tau", action="append", default=[], help="NAME=REPORT.json at tree 60/7/10 (secondary)")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    references = _named(args.reference, "--reference")
+    reports = {**references, **_named(args.arm, "--arm")}
+    if args.baseline not in reports or args.baseline in references:
+        names = ", ".join(item.partition("=")[0] for item in args.arm)
+        sys.exit(f"scale_pilot: --baseline {args.baseline!r} must be one of the arms ({names})")
+    result = pilot(reports, args.baseline, _named(args.tau, "--tau"), tuple(references))
+    print(format_pilot(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""studies/mmvsd_studies/scale_pilot.py and heldout_prompts.py: the scale issue's pilot read-out and its prompts."""
+
+import json
+
+import pytest
+
+from mmvsd_studies import heldout_prompts, scale_pilot
+
+
+def _report(per_prompt: list[list[int]]) -> dict:
+    """An eval-drafter report whose prompt i replayed steps accepting per_prompt[i][s] draft tokens (prefill first)."""
+    prompts = []
+    for accepted in per_prompt:
+        lengths = [1] + [a + 1 for a in accepted]
+        prompts.append({"new_tokens": sum(lengths), "target_forwards": len(lengths), "accept_lengths": lengths})
+    return {"prompts": prompts}
+
+
+def test_measures_are_pooled_over_prompts_as_counted_directly():
+    report = _report([[0, 1, 3], [2, 0], [3, 3, 3, 0]])
+    counts = scale_pilot.prompt_counts(report)
+    steps = 3 + 2 + 4
+    first = sum(a > 0 for p in ([0, 1, 3], [2, 0], [3, 3, 3, 0]) for a in p)
+    accepted = 0 + 1 + 3 + 2 + 0 + 3 + 3 + 3 + 0
+    assert counts["first_token"][0].sum() / counts["first_token"][1].sum() == pytest.approx(first / steps)
+    assert counts["chain_3"][0].sum() / counts["chain_3"][1].sum() == pytest.approx(accepted / steps)
+    result = scale_pilot.pilot({"ce": report}, "ce", {"ce": report}, resamples_count=50)
+    assert result["arms"]["ce"]["first_token"]["value"] == pytest.approx(6 / 9)
+    assert result["arms"]["ce"]["tau_60_7_10"] == pytest.approx((9 + 15 + 3) / (4 + 3 + 5))
+    assert result["decision"] == "ce"
+
+
+def test_an_arm_beats_loses_or_ties_by_the_registered_rule():
+    base = [[1, 0, 2, 0, 1]] * 30
+    better = [[2, 1, 3, 1, 2]] * 30  # more tokens at every step, more first tokens
+    reports = {"ce": _report(base), "ce+accept": _report(better), "ce+vsd": _report(base),
+               "start": _report([[0, 0, 1, 0, 0]] * 30)}
+    result = scale_pilot.pilot(reports, "ce", {}, references=("start",), resamples_count=200)
+    arms = result["arms"]
+    assert arms["ce+accept"]["verdict"] == "beats" and arms["ce+accept"]["vs_baseline"]["chain_3"]["diff"] > 0
+    assert arms["ce+vsd"]["verdict"] == "tie" and arms["ce+vsd"]["vs_baseline"]["chain_3"]["diff"] == 0
+    assert arms["start"]["verdict"] == "loses"
+    assert result["decision"] == "ce+accept"
+    reports["start"] = _report([[3, 3, 3, 3, 3]] * 30)  # a reference that beats everything is not a candidate
+    assert scale_pilot.pilot(reports, "ce", {}, references=("start",), resamples_count=200)["decision"] == "ce+accept"
+    assert "decision: ce+accept" in scale_pilot.format_pilot(result)
+
+
+def test_heldout_prompts_are_the_datasets_last_chat_turns_and_later_gsm8k_items(tmp_path):
+    out = tmp_path / "heldout.jsonl"
+    assert heldout_prompts.main(["--out", str(out), "--chat", "3", "--math", "2", "--math-start", "5"]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["source"] for row in rows[3:]] == ["gsm8k:5", "gsm8k:6"]
+    assert all(row["source"].startswith("sharegpt:") and 16 <= len(row["prompt"].strip()) <= 1200 for row in rows[:3])
+    again = tmp_path / "again.jsonl"
+    heldout_prompts.main(["--out", str(again), "--chat", "3", "--math", "2", "--math-start", "5"])
+    assert again.read_text() == out.read_text()
