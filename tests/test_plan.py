@@ -251,3 +251,14 @@ def test_a_convolutional_vision_tower_plans_with_the_config_s_image_tokens(tmp_p
     text = capsys.readouterr().out
     assert "1 conversations, 1 with an image" in text and "vispec:" in text
     assert not (tmp_path / "out").exists()
+
+
+def test_a_plan_from_an_init_drafter_has_its_draft_vocabulary(tmp_path, capsys):
+    """`--init` keeps the init drafter's draft vocabulary, so the plan counts its parameters, not the config's."""
+    out = tmp_path / "OUT"
+    argv = ["train", "--target", "smollm2-135m", "--dry-run", "--output", str(out), "draft_vocab_size=32000"]
+    assert main(argv) == 0
+    assert "draft vocabulary 32000; init: none" in capsys.readouterr().out
+    assert main([*argv, "--init", "eagle3-ce"]) == 0
+    text = capsys.readouterr().out
+    assert "drafter  eagle3: 9.8 M trainable parameters" in text and "draft vocabulary 8192; init: eagle3-ce" in text

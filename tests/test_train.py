@@ -99,6 +99,12 @@ def test_resume_ends_with_the_same_weights(setup, tmp_path, capsys, monkeypatch)
     assert full.keys() == resumed.keys()
     for key in full:
         assert torch.equal(full[key], resumed[key]), key
+    # the per-step log: one line per step, the resumed run's equal to the whole one's but for the step's duration
+    logs = [[json.loads(line) for line in (tmp_path / run / trainer.TRAIN_LOG).read_text().splitlines()]
+            for run in ("full", "cut")]
+    assert [line["step"] for line in logs[0]] == [1, 2, 3, 4] == [line["step"] for line in logs[1]]
+    assert all(line["seconds"] > 0 and line["tokens_seen"] > 0 and "loss" in line for line in logs[1]), logs[1]
+    assert [{**line, "seconds": 0} for line in logs[0]] == [{**line, "seconds": 0} for line in logs[1]]
 
 
 def test_interrupted_checkpoint_write_keeps_the_previous_one(setup, tmp_path, capsys, monkeypatch):

@@ -220,8 +220,8 @@ def describe_plan(config: TrainConfig, argv: list[str], num_gpus: int) -> str:
     given_data, config = config.data, resolve_training_data(config, target)  # data=auto: what it means here
     groups = parameter_groups(target)
     target_params = sum(groups.values())
-    init = resolve_init_offline(config)
-    drafter = drafter_class(config.drafter).from_target(target, draft_vocab_size=config.draft_vocab_size)
+    init, init_vocab = resolve_init_offline(config)
+    drafter = drafter_class(config.drafter).from_target(target, draft_vocab_size=init_vocab or config.draft_vocab_size)
     trainable = count(drafter, trainable_only=True)
     draft_vocab = drafter.draft_vocab_size
     data = data_plan(config, image_tokens_per_image(target.model.config)) if config.features == "online" else None
@@ -269,14 +269,17 @@ def describe_plan(config: TrainConfig, argv: list[str], num_gpus: int) -> str:
     return "\n".join(lines)
 
 
-def resolve_init_offline(config: TrainConfig) -> str:
-    """Where `--init` points, said without failing when a released drafter is not in the HF cache."""
+def resolve_init_offline(config: TrainConfig) -> tuple[str, int | None]:
+    """Where `--init` points, said without failing when a released drafter is not in the HF cache, and the draft
+    vocabulary its config.json gives (None: a fresh drafter, or a config without one), which the run keeps."""
     if config.init == "none":
-        return "none (a fresh drafter)"
+        return "none (a fresh drafter)", None
     try:
         source = resolve_init(config.init, config.target)
     except UserError as err:
         if "not in the local HF cache" not in str(err):
             raise
-        return f"{config.init}: NOT READY: {err}"
-    return f"{config.init} -> {source.path} ({source.layout.name} layout)"
+        return f"{config.init}: NOT READY: {err}", None
+    saved = source.path / "config.json"
+    vocab = json.loads(saved.read_text()).get("draft_vocab_size") if saved.is_file() else None
+    return f"{config.init} -> {source.path} ({source.layout.name} layout)", vocab

@@ -33,6 +33,7 @@ from mmvsd.data.conversations import missing_images_message, parse_dataset_spec,
 from mmvsd.decoding.tree import TreeShape
 from mmvsd.drafter_base import Drafter, drafter_class
 from mmvsd.errors import UserError
+from mmvsd.files import atomic_file
 from mmvsd.target import Target
 from mmvsd.target_loader import load_target
 from mmvsd.training.acceptance import TauMonitor
@@ -72,6 +73,9 @@ RESUMABLE_CHANGES = {"progress", "log_every", "save_every", "keep_checkpoints", 
                      "target_engine"}  # the target's kernels, not what it computes (features differ in the last bits)
 BATCH_KEYS = {"batch_size", "global_batch_size"}  # compared as the global batch they give (`check_resume_split`)
 VAL_LOG = "val_tau.jsonl"  # one line per validation-tau evaluation (also in TensorBoard as val/*)
+# one line per optimizer step: its metrics (each batch's before the update: read once, as data_order=shards
+# streams, a held-out measure), tokens_seen, lr, seconds; a resume first drops the lines past its checkpoint
+TRAIN_LOG = "train_log.jsonl"
 
 
 @dataclass
@@ -354,11 +358,14 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
     if accelerator.is_main_process:
         out_dir.mkdir(parents=True, exist_ok=True)
         config.save(out_dir / "train_config.yaml")
+        _trim_train_log(out_dir / TRAIN_LOG, state.step)
     accelerator.init_trackers("train", config=_scalar_config(config))
     bar = tqdm(total=steps, initial=state.step, desc=f"train {config.objective}", dynamic_ncols=True,
                disable=not (config.progress and accelerator.is_main_process))
     while state.step < steps:
+        started = time.monotonic()
         metrics = _optimizer_step(run, state)
+        seconds = time.monotonic() - started
         state.step += 1
         bar.update(1)
         if time.monotonic() > deadline or state.step == config.stop_at_step:  # a budget: stop as if at the end
@@ -374,6 +381,9 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
         bar.set_postfix(_postfix(metrics, monitor), refresh=False)
         if state.step % config.log_every == 0 or state.step == steps:
             accelerator.log({f"train/{k}": v for k, v in metrics.items()}, step=state.step)
+        if accelerator.is_main_process:
+            with open(out_dir / TRAIN_LOG, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps({"step": state.step, "seconds": round(seconds, 3), **metrics}) + "\n")
         if source.stream is not None:
             state.data_blocks = source.stream.blocks  # the shards the run may read now (wait_for_shards adds some)
         if state.step % config.save_every == 0 or state.step == steps:
@@ -454,6 +464,15 @@ class Run:
 
     def __post_init__(self) -> None:
         self.drafter = self.accelerator.unwrap_model(self.model).drafter
+
+
+def _trim_train_log(path: Path, step: int) -> None:
+    """Keep the lines of steps up to `step` (a resumed run's checkpoint): the steps an interrupted run made past
+    it are made again."""
+    if path.is_file():
+        kept = [line for line in path.read_text().splitlines(keepends=True) if json.loads(line)["step"] <= step]
+        with atomic_file(path) as handle:
+            handle.writelines(kept)
 
 
 def _optimizer_step(run: Run, state: TrainState) -> dict:

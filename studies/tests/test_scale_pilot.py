@@ -1,10 +1,11 @@
-"""studies/mmvsd_studies/scale_pilot.py and heldout_prompts.py: the scale issue's pilot read-out and its prompts."""
+"""The scale issue's study tools: the pilot's read-out (scale_pilot.py), its prompts (heldout_prompts.py) and the
+learning curve from the trainer's per-step log (learning_curve.py)."""
 
 import json
 
 import pytest
 
-from mmvsd_studies import heldout_prompts, scale_pilot
+from mmvsd_studies import heldout_prompts, learning_curve, scale_pilot
 
 
 def _report(per_prompt: list[list[int]]) -> dict:
@@ -55,3 +56,13 @@ def test_heldout_prompts_are_the_datasets_last_chat_turns_and_later_gsm8k_items(
     again = tmp_path / "again.jsonl"
     heldout_prompts.main(["--out", str(again), "--chat", "3", "--math", "2", "--math-start", "5"])
     assert again.read_text() == out.read_text()
+
+
+def test_a_train_metric_is_averaged_over_windows_of_steps(tmp_path):
+    lines = [{"step": step, "tokens_seen": 100 * step, "acc_0": step / 10} for step in range(1, 6)]
+    (tmp_path / "train_log.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    points = learning_curve.read_train_metric(tmp_path, "acc_0", window=2)
+    assert [(p["step"], p["tokens_seen"], p["steps"]) for p in points] == [(2, 200, 2), (4, 400, 2), (5, 500, 1)]
+    assert [p["acc_0"] for p in points] == pytest.approx([0.15, 0.35, 0.5])
+    with pytest.raises(SystemExit, match="has no 'acc_9'"):
+        learning_curve.read_train_metric(tmp_path, "acc_9", window=2)
