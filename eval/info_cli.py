@@ -12,9 +12,11 @@ from mmvsd.tree_options import add_ngram_argument
 
 
 def add_drafters_command(sub: argparse._SubParsersAction) -> None:
-    """`mmvsd drafters list` (entry point `mmvsd.commands`)."""
+    """`mmvsd drafters list|card` (entry point `mmvsd.commands`)."""
     p = sub.add_parser("drafters", help="drafters shipped with mmvsd")
-    p.add_argument("action", choices=["list"], help="list: targets, names, defaults and measured tau")
+    p.add_argument("action", choices=["list", "card"],
+                   help="list: targets, names, defaults and measured tau; card NAME: a drafter's model card")
+    p.add_argument("name", nargs="?", help="card: a shipped drafter, NAME or TARGET/NAME")
     p.set_defaults(handler=run_drafters)
 
 
@@ -48,10 +50,15 @@ def add_export_command(sub: argparse._SubParsersAction) -> None:
 
 
 def run_drafters(args: argparse.Namespace) -> None:
-    """`mmvsd drafters list`."""
-    from mmvsd.shipped import format_shipped  # CLI start-up: loaded per command
+    """`mmvsd drafters list`, `mmvsd drafters card NAME`."""
+    from mmvsd.shipped import format_shipped, shipped_card  # CLI start-up: loaded per command
 
-    print(format_shipped())
+    if args.action == "card":
+        if not args.name:
+            raise UserError("mmvsd drafters card needs a drafter: NAME or TARGET/NAME (see `mmvsd drafters list`)")
+        print(shipped_card(args.name), end="")
+    else:
+        print(format_shipped())
 
 
 def run_adapters(args: argparse.Namespace) -> None:

@@ -3,6 +3,7 @@
 Layout (under `mmvsd/shipped_drafters/`):
     <target>/<name>/config.json, model.safetensors   a drafter folder (`mmvsd generate --drafter DIR`)
     <target>/<name>/manifest.json                    sha256 of every file, how it was trained, what it measured
+    <target>/<name>/README.md                        its model card, rendered from the manifest (mmvsd.model_card)
 `--drafter default` is the drafter of the target whose manifest says `"default": true` (or its only
 one); `--drafter NAME` a shipped drafter of that name for the target. Every file is checked against
 its manifest before loading. `ship_drafter` puts a trained drafter folder there in fp16/bf16.
@@ -23,12 +24,12 @@ from safetensors.torch import load_file, save_file
 
 from mmvsd.errors import UserError
 from mmvsd.files import atomic_dir, atomic_file, file_sha256
+from mmvsd.model_card import CARD, CARD_INFO, missing_card_info, model_card
 
 SHIPPED_ROOT = Path(__file__).parent / "shipped_drafters"
 MANIFEST = "manifest.json"
 MAX_FILE_BYTES = 25 * 10**6  # a shipped weights file holds at most 25 MB
-REQUIRED_INFO = ("target", "target_sha256", "training", "data", "steps", "tokens_seen", "machine", "tau",
-                 "tau_command")
+REQUIRED_INFO = ("target", "target_sha256", "training", "tau", "tau_command", *CARD_INFO)
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 _target_checksums: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -173,12 +174,14 @@ def _no_default_message(target_name: str, mine: list[ShippedDrafter]) -> str:
 
 def write_manifest(folder: str | Path, **info) -> dict:
     """Write `folder`/manifest.json: sha256 and size of every file plus `info` (REQUIRED_INFO keys and
-    any others, e.g. name, default, notes). Refuses weights over 25 MB or not in fp16/bf16."""
+    any others, e.g. name, default, notes), and the model card rendered from it (README.md). Refuses weights over
+    25 MB or not in fp16/bf16."""
     folder = Path(folder)
-    missing = [key for key in REQUIRED_INFO if key not in info]
+    missing = [key for key in REQUIRED_INFO if key not in CARD_INFO and key not in info] + missing_card_info(info)
     if missing:
         raise UserError(f"manifest for {folder} lacks {', '.join(missing)}")
-    files = sorted(p for p in folder.iterdir() if p.is_file() and p.name != MANIFEST and not p.name.startswith("."))
+    files = sorted(p for p in folder.iterdir()
+                   if p.is_file() and p.name not in (MANIFEST, CARD) and not p.name.startswith("."))
     if not any(p.name == "model.safetensors" for p in files) or not (folder / "config.json").is_file():
         raise UserError(f"{folder} is not a drafter folder (needs config.json and model.safetensors)")
     for path in files:
@@ -190,9 +193,12 @@ def write_manifest(folder: str | Path, **info) -> dict:
     manifest = {"name": folder.name, "default": False, **info,
                 "drafter_type": config.get("mmvsd_drafter_type", ""),
                 "files": {p.name: {"sha256": file_sha256(p), "bytes": p.stat().st_size} for p in files}}
+    card = model_card(manifest)
     with atomic_file(folder / MANIFEST) as handle:
         json.dump(manifest, handle, indent=2, sort_keys=False)
         handle.write("\n")
+    with atomic_file(folder / CARD) as handle:
+        handle.write(card)
     return manifest
 
 
@@ -222,6 +228,22 @@ def ship_drafter(source: str | Path, target: str, name: str, *, dtype: str = "bf
         save_file(half, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         write_manifest(tmp, **{"name": name, "dtype": dtype, **info, "target": target})
     return out
+
+
+def shipped_card(spec: str) -> str:
+    """The model card of shipped drafter `spec` (NAME, or TARGET/NAME where several targets have one)."""
+    target, _, name = spec.rpartition("/")
+    found = [d for d in list_shipped() if d.name == name and target in ("", d.target)]
+    if len(found) != 1:
+        known = ", ".join(f"{d.target}/{d.name}" for d in list_shipped()) or "none"
+        problem = f"{spec!r} names drafters of several targets" if found else f"no shipped drafter {spec!r}"
+        raise UserError(f"{problem}; name one of: {known}")
+    drafter = found[0]
+    manifest = drafter.manifest()
+    missing = missing_card_info(manifest)
+    if missing:
+        raise UserError(f"{drafter.folder / MANIFEST} lacks what a model card needs: {', '.join(missing)}")
+    return model_card(manifest)
 
 
 def format_shipped() -> str:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,11 +17,15 @@ from mmvsd.cli import main
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.drafters.spec import drafter_from_spec
 from mmvsd.errors import UserError
+from mmvsd.model_card import missing_card_info, model_card
 from mmvsd.target_loader import BUILTIN_TARGETS, BuiltinTarget
 
 INFO = {"target_sha256": "0" * 64, "training": {"objective": "ce", "max_steps": 3}, "data": "sharegpt",
         "steps": 3, "tokens_seen": 1536, "machine": "test (CPU)", "tau": {"mt_bench 60/7/10": 1.23},
-        "tau_command": "mmvsd eval-drafter --target tiny-llama --drafter default --prompt-file mt_bench"}
+        "tau_command": "mmvsd eval-drafter --target tiny-llama --drafter default --prompt-file mt_bench",
+        "objective": "ce", "hours": 0.01,
+        "held_out": {"prompts": "4 held-out prompts", "first_token": 0.25, "chain_3": 0.5, "tau_60_7_10": 1.75,
+                     "command": "mmvsd eval-drafter --tree 3/3/1 --ngram off"}}
 
 
 @pytest.fixture
@@ -46,7 +52,10 @@ def test_shipped_drafter_loads_by_default_and_by_name(root, trained_folder, tiny
     folder = ship(trained_folder, default=True)
     assert folder == root / "tiny-llama" / "eagle3-ce"
     manifest = json.loads((folder / "manifest.json").read_text())
-    assert set(manifest["files"]) == {"config.json", "model.safetensors"}
+    assert set(manifest["files"]) == {"config.json", "model.safetensors"}  # the card is not one of them
+    card = (folder / "README.md").read_text()
+    assert card == model_card(manifest)
+    assert "| first draft token accepted (argmax chain) | 0.250 |" in card and "| hours | 0.01 |" in card
     for name, entry in manifest["files"].items():
         assert entry["sha256"] == shipped.file_sha256(folder / name)
     assert manifest["target"] == "tiny-llama" and manifest["drafter_type"] == "eagle3" and manifest["default"]
@@ -103,6 +112,9 @@ def test_write_manifest_refuses_what_must_not_ship(root, trained_folder, monkeyp
     with pytest.raises(UserError, match="lacks tokens_seen, machine"):
         shipped.write_manifest(trained_folder, **{k: v for k, v in INFO.items() if k not in ("tokens_seen", "machine")},
                                target="tiny-llama")
+    unmeasured = {**INFO, "held_out": {"prompts": "4 prompts", "first_token": 0.25, "command": "c"}}
+    with pytest.raises(UserError, match="lacks held_out.chain_3, held_out.tau_60_7_10"):
+        shipped.write_manifest(trained_folder, **unmeasured, target="tiny-llama")
     monkeypatch.setattr(shipped, "MAX_FILE_BYTES", 1000)
     with pytest.raises(UserError, match="at most 0 MB"):
         ship(trained_folder)
@@ -137,6 +149,11 @@ def test_cli_default_drafter_and_list(root, builtin_tiny, tmp_path, capsys):
     assert main(["drafters", "list"]) == 0
     listing = capsys.readouterr().out
     assert "tiny-test" in listing and "eagle3-ce" in listing and "yes" in listing and "1.23" in listing
+    assert main(["drafters", "card", "tiny-test/eagle3-ce"]) == 0
+    card = capsys.readouterr().out
+    assert card.startswith("# tiny-test / eagle3-ce (the target's default)") and "| tau, tree 60/7/10" in card
+    assert main(["drafters", "card", "eagle3-xx"]) == 2
+    assert "no shipped drafter 'eagle3-xx'; name one of: tiny-test/eagle3-ce" in capsys.readouterr().err
 
 
 def test_every_shipped_drafter_matches_its_manifest():
@@ -145,6 +162,8 @@ def test_every_shipped_drafter_matches_its_manifest():
         drafter.verify()
         manifest = drafter.manifest()
         assert all(key in manifest for key in shipped.REQUIRED_INFO), drafter.folder
+        assert not missing_card_info(manifest), drafter.folder
+        assert (drafter.folder / "README.md").read_text() == model_card(manifest), f"{drafter.folder}: card is stale"
         assert all(entry["bytes"] <= shipped.MAX_FILE_BYTES for entry in manifest["files"].values())
 
 
@@ -159,3 +178,12 @@ def test_the_listing_names_benchmarks_and_says_shared_conditions_once():
             "mt_bench_20_first_turns_128_tokens_60/7/10_T1": 1.56}  # what differs is said per entry
     assert shipped._tau_text(both) == ("mt_bench T0 1.95 (80), gsm8k T0 2.14 (80), mt_bench T1 1.56 (20) "
                                        "(128 tokens, tree 60/7/10)")
+
+
+def test_a_listing_into_a_closed_pipe_stops_quietly():
+    """`mmvsd drafters list | head -0`: the reader is gone before the first line, so no traceback, exit 141."""
+    process = subprocess.Popen([sys.executable, "-m", "mmvsd", "drafters", "list"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    process.stdout.close()  # long before the interpreter has started and printed
+    stderr = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 141 and "Traceback" not in stderr, stderr

@@ -4,8 +4,9 @@
     python -m mmvsd_studies.scale_pilot --baseline ce --reference start=START.json --arm ce=CE.json \
         --arm ce+accept=ACCEPT.json --arm ce+vsd=VSD.json --out studies/results/scale_pilot_smollm2.json
 
-Each report is one drafter replayed on the same held-out prompts with an argmax chain (`--tree 3/3/1 --ngram off`):
-the target's greedy continuations are the same for every drafter, so the prompts pair. Per prompt, the tree steps
+Each report is one drafter replayed on the same held-out prompts with an argmax depth-3 chain (`--tree 4/3/1
+--ngram off`; a budget counts the root): the target's greedy continuations are the same for every drafter, so
+the prompts pair. Per prompt, the tree steps
 after the prefill give the two primary measures, pooled over prompts:
 - first_token: the share of steps that accepted at least one draft token;
 - chain_3: draft tokens accepted per step (0-3).
