@@ -33,7 +33,7 @@ class TrainConfig:
     drafter: str = "eagle3"  # a registered drafter type
     init: str = "none"  # none | drafter folder | LAYOUT (released for the target) | LAYOUT:PATH
     # TERM or TERM+TERM over the registered terms (mmvsd.training.terms): ce, vsd (ablation: no KL half), vsd-kl,
-    # accept, vsd-rloo; ce+vsd is the paper's recipe. ce+accept won both pre-registered studies (docs/reproduction.md)
+    # accept, vsd-rloo; ce+vsd is the paper's recipe. ce, the default, is the scale pilot's choice (docs/training.md)
     objective: str = DEFAULT_OBJECTIVE
     # auto (ShareGPT; an image drafter on an image target: ShareGPT + LLaVA-Instruct, training_data.py), sharegpt,
     # sharegpt:PATH, llava-instruct:PATH or a file; SPEC+SPEC mixes them
