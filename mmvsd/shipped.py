@@ -3,7 +3,7 @@
 Layout (under `mmvsd/shipped_drafters/`):
     <target>/<name>/config.json, model.safetensors   a drafter folder (`mmvsd generate --drafter DIR`)
     <target>/<name>/manifest.json                    sha256 of every file, how it was trained, what it measured
-    <target>/<name>/README.md                        its model card, rendered from the manifest (mmvsd.model_card)
+    <target>/<name>/README.md                        its model card, rendered from the manifest (`model_card`)
 `--drafter default` is the drafter of the target whose manifest says `"default": true` (or its only
 one); `--drafter NAME` a shipped drafter of that name for the target. Every file is checked against
 its manifest before loading. `ship_drafter` puts a trained drafter folder there in fp16/bf16.
@@ -24,11 +24,12 @@ from safetensors.torch import load_file, save_file
 
 from mmvsd.errors import UserError
 from mmvsd.files import atomic_dir, atomic_file, file_sha256
-from mmvsd.model_card import CARD, CARD_INFO, missing_card_info, model_card
 
 SHIPPED_ROOT = Path(__file__).parent / "shipped_drafters"
 MANIFEST = "manifest.json"
 MAX_FILE_BYTES = 25 * 10**6  # a shipped weights file holds at most 25 MB
+CARD = "README.md"  # the model card beside the weights (`model_card`)
+CARD_INFO = ("objective", "data", "tokens_seen", "steps", "hours", "machine", "held_out")  # what a card needs
 REQUIRED_INFO = ("target", "target_sha256", "training", "tau", "tau_command", *CARD_INFO)
 HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -295,3 +296,72 @@ def _tau_text(tau) -> str:
     shared = ([f"{counts.pop()} each"] if same_count else []) + ([", ".join(shared_conditions)] if shared_conditions
                                                                   else [])
     return ", ".join(parts) + (f" ({'; '.join(shared)})" if shared else "")
+
+
+# ----------------------------------------------------------------------------- model cards
+# A shipped drafter's model card: what it learned from and what it measures, rendered from its manifest.
+# The manifest is the one record (`write_manifest`); the card (`README.md` beside the weights, as on
+# a model hub, and `mmvsd drafters card NAME`) is rendered from it, so the two cannot disagree. A card needs the
+# manifest's training facts (`CARD_INFO`) and its held-out acceptance (`held_out`): a dict of the measured figures
+# (`HELD_OUT_FIGURES`, with the prompts and the command), or a sentence saying why it was not measured.
+
+# held-out acceptance at T = 0: what an engine drafting the drafter's top token gets (first token, a depth-3
+# chain), then the paper's tree
+HELD_OUT_FIGURES = {
+    "first_token": "first draft token accepted (argmax chain)",
+    "chain_3": "accepted tokens per depth-3 argmax chain (0-3)",
+    "tau_60_7_10": "tau, tree 60/7/10 (tokens per target forward)",
+}
+
+
+def missing_card_info(manifest: dict) -> list[str]:
+    """The card's facts the manifest lacks (a held_out dict without every figure counts as missing)."""
+    missing = [key for key in CARD_INFO if key not in manifest]
+    held_out = manifest.get("held_out")
+    if isinstance(held_out, dict):
+        missing += [f"held_out.{key}" for key in (*HELD_OUT_FIGURES, "prompts", "command") if key not in held_out]
+    return missing
+
+
+def _figure(value) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def _held_out_lines(held_out) -> list[str]:
+    if not isinstance(held_out, dict):
+        return [str(held_out)]  # why it was not measured
+    lines = [f"On {held_out['prompts']}, at T = 0 (`{held_out['command']}`):", "",
+             "| measure | value |", "| --- | --- |"]
+    lines += [f"| {label} | {_figure(held_out[key])} |" for key, label in HELD_OUT_FIGURES.items()]
+    if held_out.get("machine"):
+        lines += ["", f"Measured on: {held_out['machine']}."]
+    return lines
+
+
+def _tau_lines(tau) -> list[str]:
+    if not isinstance(tau, dict):
+        return [str(tau)]
+    return ["| benchmark | tau |", "| --- | --- |"] + [f"| {key} | {_figure(value)} |" for key, value in tau.items()]
+
+
+def model_card(manifest: dict) -> str:
+    """The markdown card of a shipped drafter's manifest (every CARD_INFO key present: `missing_card_info`)."""
+    size = sum(entry.get("bytes", 0) for entry in manifest.get("files", {}).values()) / 1e6
+    default = " (the target's default)" if manifest.get("default") else ""
+    facts = [("target", f"{manifest['target']} (weights sha256 {manifest['target_sha256'][:16]}...)"),
+             ("drafter", f"{manifest.get('drafter_type', '?')}, {size:.1f} MB in {manifest.get('dtype', '?')}"),
+             ("objective", manifest["objective"]), ("data", manifest["data"]),
+             ("tokens seen", manifest["tokens_seen"]), ("optimizer steps", manifest["steps"]),
+             ("hours", manifest["hours"]), ("machine", manifest["machine"])]
+    lines = [f"# {manifest['target']} / {manifest['name']}{default}", "",
+             "A draft model for speculative decoding with mmvsd: "
+             f"`mmvsd generate --target {manifest['target']} --drafter {manifest['name']}`. Lossless: the target's "
+             "output is unchanged, only faster.", "", "| | |", "| --- | --- |"]
+    lines += [f"| {name} | {value} |" for name, value in facts]
+    lines += ["", "## Held-out acceptance", "", *_held_out_lines(manifest["held_out"])]
+    lines += ["", "## Benchmarks", "", *_tau_lines(manifest.get("tau")), "",
+              f"Command: `{manifest.get('tau_command', '?')}`", "", "## Training", "", str(manifest["training"])]
+    if manifest.get("notes"):
+        lines += ["", "## Notes", "", str(manifest["notes"])]
+    lines += ["", "Rendered from `manifest.json` (`mmvsd drafters card`), which lists every file's sha256."]
+    return "\n".join(lines) + "\n"

@@ -17,7 +17,7 @@ from mmvsd.cli import main
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.drafters.spec import drafter_from_spec
 from mmvsd.errors import UserError
-from mmvsd.model_card import missing_card_info, model_card
+from mmvsd.shipped import missing_card_info, model_card
 from mmvsd.target_loader import BUILTIN_TARGETS, BuiltinTarget
 
 INFO = {"target_sha256": "0" * 64, "training": {"objective": "ce", "max_steps": 3}, "data": "sharegpt",
