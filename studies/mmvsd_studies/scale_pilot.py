@@ -6,8 +6,7 @@
 
 Each report is one drafter replayed on the same held-out prompts with an argmax depth-3 chain (`--tree 4/3/1
 --ngram off`; a budget counts the root): the target's greedy continuations are the same for every drafter, so
-the prompts pair. Per prompt, the tree steps
-after the prefill give the two primary measures, pooled over prompts:
+the prompts pair. Per prompt, the tree steps after the prefill give the two primary measures, pooled over prompts:
 - first_token: the share of steps that accepted at least one draft token;
 - chain_3: draft tokens accepted per step (0-3).
 Each arm minus the baseline, with a paired bootstrap 95% interval over prompts. An arm beats the baseline when its
@@ -26,7 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
-from mmvsd_studies.study_stats import compare_arms, percentile_interval, prompt_resamples
+from mmvsd_studies.study_stats import (
+    bootstrap_taus,
+    compare_arms,
+    percentile_interval,
+    pooled_tau,
+    prompt_resamples,
+)
 
 MEASURES = ("first_token", "chain_3")
 
@@ -71,12 +76,11 @@ def pilot(reports: dict[str, dict], baseline: str, taus: dict[str, dict], refere
     out: dict = {"baseline": baseline, "arms": {}, "resamples": resamples_count}
     for name, measures in counts.items():
         row = {}
-        for measure, (num, den) in measures.items():
-            value = float(num.sum() / den.sum())
-            boot = num[0, resamples].sum(-1) / np.maximum(den[0, resamples].sum(-1), 1)
-            row[measure] = {"value": value, "ci95": percentile_interval(boot)}
+        for measure, counted in measures.items():  # a pooled ratio, as tau is: study_stats serves both
+            row[measure] = {"value": float(pooled_tau(*counted)[0]),
+                            "ci95": percentile_interval(bootstrap_taus(*counted, resamples))}
         if name in taus:
-            row["tau_60_7_10"] = float(tau_counts(taus[name])[0].sum() / tau_counts(taus[name])[1].sum())
+            row["tau_60_7_10"] = float(pooled_tau(*tau_counts(taus[name]))[0])
         if name != baseline:
             row["vs_baseline"] = {m: compare_arms(counts[name][m], counts[baseline][m], resamples) for m in MEASURES}
             row["verdict"] = verdict(row["vs_baseline"])
