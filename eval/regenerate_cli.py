@@ -51,6 +51,7 @@ def add_regenerate_command(sub: argparse._SubParsersAction) -> None:
 def run_regenerate_command(args: argparse.Namespace) -> None:
     from mmvsd.data.conversations import load_conversations  # CLI start-up: loaded per command
     from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
+    from mmvsd.training.dataset import data_specs  # CLI start-up: loaded per command
     from mmvsd.training.media import media_adapter  # CLI start-up: loaded per command
     from mmvsd.training.regenerate_shards import RegenerateSettings, regenerate_dataset  # CLI start-up
 
@@ -59,8 +60,10 @@ def run_regenerate_command(args: argparse.Namespace) -> None:
     settings = RegenerateSettings(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                                   max_prompt_tokens=args.max_length or None, batch_size=args.batch_size,
                                   shard_size=args.shard_size, seed=args.seed)
-    conversations = load_conversations(args.data, limit=args.num_conversations or None,
-                                       image_root=args.image_root or None)
+    conversations = [conv for spec in data_specs(args.data)  # a mixture SPEC+SPEC, as `mmvsd train` reads it
+                     for conv in load_conversations(spec, limit=args.num_conversations or None,
+                                                    image_root=args.image_root or None)]
+    conversations = conversations[:args.num_conversations or None]
     dtype, device = placement(args.device, args.dtype)
     target = load_target(args.target, dtype=dtype, device=device)
     images = any(conv.image for conv in conversations)

@@ -15,10 +15,12 @@ from safetensors.torch import load_file
 
 from conftest import TINY, save_tiny_target, write_sharegpt
 from mmvsd.cli import main
+from mmvsd.data.conversations import load_conversations
 from mmvsd.errors import UserError
 from mmvsd.target_loader import load_target
 from mmvsd.training import shard_stream, trainer
 from mmvsd.training.config import TrainConfig
+from mmvsd.training.regenerate import source_digest
 from mmvsd.training.regenerate_shards import MANIFEST, shard_path
 from mmvsd.training.shard_stream import check_stream_resume, load_shard_stream, stream_indices
 
@@ -133,3 +135,17 @@ def test_a_resume_on_other_shards_or_settings_is_refused(folders, tmp_path, caps
     assert "not one (no manifest.json)" in capsys.readouterr().err
     with pytest.raises(UserError, match="features=online and regenerate=none"):
         TrainConfig(target="t", output="o", data_order="shards", features="offline", feature_cache="c").validate()
+
+
+def test_regenerate_reads_a_mixture_as_train_does(tmp_path):
+    """`--data A+B` is the two datasets one after the other (as `mmvsd train --data` mixes them), cut at
+    --num-conversations."""
+    target = save_tiny_target(tmp_path / "target")
+    first, second = write_sharegpt(tmp_path / "a.json", num=3, seed=1), write_sharegpt(tmp_path / "b.json", seed=2)
+    out = tmp_path / "out"
+    assert main(["regenerate", "--target", str(target), "--data", f"{first}+{second}", "--output", str(out),
+                 "--num-conversations", "5", "--max-new-tokens", "4", "--max-length", "0"]) == 0
+    records = [json.loads(line) for line in shard_path(out, 0).read_text().splitlines()]
+    wanted = load_conversations(str(first)) + load_conversations(str(second))[:2]
+    assert [r["source"] for r in records] == [source_digest(conv) for conv in wanted]
+    assert json.loads((out / MANIFEST).read_text())["num_conversations"] == 5
