@@ -262,3 +262,19 @@ def test_a_plan_from_an_init_drafter_has_its_draft_vocabulary(tmp_path, capsys):
     assert main([*argv, "--init", "eagle3-ce"]) == 0
     text = capsys.readouterr().out
     assert "drafter  eagle3: 9.8 M trainable parameters" in text and "draft vocabulary 8192; init: eagle3-ce" in text
+
+
+@pytest.mark.parametrize("gpus", [0, 2])
+def test_the_plan_is_for_this_machine_unless_told(tmp_path, capsys, llava_mixture, monkeypatch, gpus):
+    """Without --gpus the plan is for the GPUs here, or for one process on the CPU (the plain `mmvsd train`
+    command) on a machine with none."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert main([*HEADLINE, "--output", str(tmp_path / "OUT")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    steps, run = next(line for line in lines if line.startswith("steps")), lines[-1]
+    if gpus:
+        assert "(2 GPUs x " in steps and "--num_processes 2 -m mmvsd train" in run
+    else:
+        assert "(1 process on the CPU x " in steps and "accelerate" not in run
+        assert run.startswith("run      mmvsd train --target llava-1.5-13b --init vispec --output")
+        assert not any(line.startswith("note") for line in lines)

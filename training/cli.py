@@ -27,7 +27,8 @@ def add_train_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan (parameters, data, steps, memory per GPU, disk, the accelerate launch "
                         "command) without loading weights or writing anything")
-    p.add_argument("--gpus", type=positive_int, default=8, help="GPUs the --dry-run plan's command uses (default 8)")
+    p.add_argument("--gpus", type=positive_int, help="GPUs the --dry-run plan is for (default: this machine's, "
+                                                      "or one process on its CPU when it has none)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="e.g. max_steps=100 loss.num_samples=8")
     p.set_defaults(handler=run_train)
 
@@ -57,9 +58,11 @@ def run_train(args: argparse.Namespace) -> None:
     flags = {k: getattr(args, k) for k in ("target", "drafter", "init", "objective", "data", "output")}
     config = load_train_config(args.config, flags, args.overrides)
     if args.dry_run:
+        import torch  # loaded by the plan already
+
         from mmvsd.training.plan import describe_plan  # CLI start-up: loaded per command
 
-        print(describe_plan(config, args.argv, args.gpus))
+        print(describe_plan(config, args.argv, args.gpus or torch.cuda.device_count()))
         return
     from accelerate import PartialState  # loaded by the trainer already
 

@@ -191,12 +191,15 @@ def data_plan(config: TrainConfig, image_tokens: int) -> DataPlan:
 
 
 def launch_command(argv: list[str], num_gpus: int) -> str:
-    """The `accelerate launch` command of this run on `num_gpus` GPUs with ZeRO-2."""
+    """The command of this run: `accelerate launch` on `num_gpus` GPUs with ZeRO-2, or (0 GPUs) `mmvsd` itself,
+    one process on the CPU."""
     args, skip = [], False
     for arg in argv:
         if not skip and arg != "--dry-run" and not arg.startswith("--gpus"):
             args.append(arg)
         skip = arg == "--gpus"  # its value follows
+    if not num_gpus:
+        return shlex.join(["mmvsd", *args])
     return shlex.join(["accelerate", "launch", "--config_file", str(ZERO2), "--deepspeed_config_file",
                        str(DEEPSPEED_JSON), "--num_processes", str(num_gpus), "-m", "mmvsd", *args])
 
@@ -215,7 +218,7 @@ def image_tokens_per_image(config) -> int:
 
 
 def describe_plan(config: TrainConfig, argv: list[str], num_gpus: int) -> str:
-    """The plan `mmvsd train --dry-run` prints."""
+    """The plan `mmvsd train --dry-run` prints, for `num_gpus` GPUs (0: one process on this machine's CPU)."""
     target, config_path = meta_target(config.target)
     given_data, config = config.data, resolve_training_data(config, target)  # data=auto: what it means here
     groups = parameter_groups(target)
@@ -233,7 +236,9 @@ def describe_plan(config: TrainConfig, argv: list[str], num_gpus: int) -> str:
              f"drafter  {config.drafter}: {trainable / 1e6:.1f} M trainable parameters (embeddings: the target's), "
              f"draft vocabulary {draft_vocab}; init: {init}",
              f"objective {config.objective}; precision {config.precision}; features {config.features}"]
-    global_batch = config.global_batch_size or config.batch_size * num_gpus
+    processes = max(1, num_gpus)
+    where = f"{num_gpus} GPUs" if num_gpus else "1 process on the CPU"
+    global_batch = config.global_batch_size or config.batch_size * processes
     if given_data != config.data:
         lines.append(f"data     data={given_data}: {config.data}" + (f", image_root={config.image_root}"
                                                                       if config.image_root else ""))
@@ -243,8 +248,8 @@ def describe_plan(config: TrainConfig, argv: list[str], num_gpus: int) -> str:
         lines += [f"data     {line}" for line in data.lines]
         steps = total_steps(config, data.examples, global_batch)
         per_token = feature_bytes_per_token(len(target.aux_layer_ids), target.hidden_size, 2)
-        lines += [f"steps    {steps} optimizer steps of {global_batch * config.grad_accum} examples ({num_gpus} GPUs x "
-                  f"{global_batch // num_gpus} x grad_accum {config.grad_accum}) over {data.examples} training "
+        lines += [f"steps    {steps} optimizer steps of {global_batch * config.grad_accum} examples ({where} x "
+                  f"{global_batch // processes} x grad_accum {config.grad_accum}) over {data.examples} training "
                   f"examples, {config.epochs:g} epoch(s); about {data.about_tokens / 1e6:.1f} M tokens per epoch",
                   f"disk     offline features (`mmvsd prepare`, bf16): about {data.about_tokens * per_token / GB:.0f} "
                   f"GB; each checkpoint {12 * trainable / GB:.2f} GB (x keep_checkpoints={config.keep_checkpoints})"]
@@ -257,10 +262,10 @@ def describe_plan(config: TrainConfig, argv: list[str], num_gpus: int) -> str:
         lines.append(f"         {gpus} GPU(s): DDP {memory.ddp / GB:.1f} GB, ZeRO-2 {memory.zero2 / GB:.1f} GB "
                      f"(target {memory.target / GB:.1f} + drafter state {memory.ddp_state / GB:.2f} | "
                      f"{memory.zero2_state / GB:.2f} + activations ~{memory.activations / GB:.1f}{estep})")
-    memory = gpu_memory(target_params, trainable, config, target, draft_vocab, num_gpus)
+    memory = gpu_memory(target_params, trainable, config, target, draft_vocab, processes)
     per_example = memory.activations / config.batch_size
     fits = int((GPU_BYTES - memory.target - memory.zero2_state) // per_example) if per_example else config.batch_size
-    if memory.zero2 > GPU_BYTES:
+    if num_gpus and memory.zero2 > GPU_BYTES:
         hint = (f"batch_size {fits} fits (or a shorter max_length); DeepSpeed steps on every micro-batch here, so the "
                 f"global batch becomes {fits} x {num_gpus}" if fits >= 1 else
                 "the target and the drafter's state alone exceed it")
