@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -105,6 +108,40 @@ def test_resume_ends_with_the_same_weights(setup, tmp_path, capsys, monkeypatch)
     assert [line["step"] for line in logs[0]] == [1, 2, 3, 4] == [line["step"] for line in logs[1]]
     assert all(line["seconds"] > 0 and line["tokens_seen"] > 0 and "loss" in line for line in logs[1]), logs[1]
     assert [{**line, "seconds": 0} for line in logs[0]] == [{**line, "seconds": 0} for line in logs[1]]
+
+
+def test_sigterm_or_a_first_ctrl_c_stops_with_a_checkpoint_and_the_drafter(setup, tmp_path, capsys, monkeypatch,
+                                                                         caplog):
+    """A stop asked for mid-step ends the run after that step as max_minutes would (checkpoint, drafter, exit 0),
+    so --resume loses nothing; a second Ctrl-C interrupts at once."""
+    target, data = setup
+    common = ["max_steps=4", "save_every=10", "learning_rate=0.01"]
+    assert train_cli(capsys, target, data, tmp_path / "full", *common)[0] == 0
+    real_step = trainer._optimizer_step
+    signals = {"cut": [signal.SIGTERM], "ctrl-c": [signal.SIGINT], "twice": [signal.SIGINT, signal.SIGINT]}
+    for name, sent in signals.items():
+        def asked(run, state, sent=sent):
+            if state.step == 1:
+                for sig in sent:
+                    os.kill(os.getpid(), sig)
+            return real_step(run, state)
+
+        monkeypatch.setattr(trainer, "_optimizer_step", asked)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="mmvsd.training"):
+            code, err = train_cli(capsys, target, data, tmp_path / name, *common)
+        if name == "twice":
+            assert code == 130 and not (tmp_path / name / "model.safetensors").exists()
+            continue
+        assert code == 0 and "stopping after this step" in caplog.text, err
+        assert trainer.latest_checkpoint(tmp_path / name).name == "step-0000002"
+        assert (tmp_path / name / "model.safetensors").is_file()
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handlers are the run's only
+    monkeypatch.setattr(trainer, "_optimizer_step", real_step)
+    assert train_cli(capsys, target, data, tmp_path / "cut", *common, "--resume")[0] == 0
+    full = load_file(str(tmp_path / "full" / "model.safetensors"))
+    resumed = load_file(str(tmp_path / "cut" / "model.safetensors"))
+    assert all(torch.equal(full[key], resumed[key]) for key in full)
 
 
 def test_interrupted_checkpoint_write_keeps_the_previous_one(setup, tmp_path, capsys, monkeypatch):

@@ -26,6 +26,7 @@ from mmvsd.data.conversations import load_conversations
 from mmvsd.data.render import split_conversations
 from mmvsd.errors import UserError
 from mmvsd.target import Target
+from mmvsd.training.budget import Budget
 from mmvsd.training.dataset import render_all
 from mmvsd.training.distributed import derived_seed
 from mmvsd.training.regenerate_shards import read_manifest, shard_path
@@ -107,15 +108,15 @@ def stream_indices(blocks: list[int], batch_size: int, seed: int, micro_step: in
     return picks
 
 
-def wait_for_shards(folder: str | Path, have: int, deadline: float) -> bool:
+def wait_for_shards(folder: str | Path, have: int, budget: Budget) -> bool:
     """Wait until `folder` has more than `have` finished shards (True); False once the regeneration is complete
-    without them, or when `deadline` (time.monotonic()) would pass first."""
+    without them, when the budget's time would run out first, or once a stop is asked for."""
     logger.warning("waiting for shard %d of %s (its manifest is read every %g s)", have, folder, POLL_SECONDS)
     while True:
         manifest, paths = finished_shards(Path(folder))
         if len(paths) > have:
             return True
-        if len(paths) >= manifest["num_shards"] or time.monotonic() + POLL_SECONDS > deadline:
+        if len(paths) >= manifest["num_shards"] or budget.spent(POLL_SECONDS):
             return False
         time.sleep(POLL_SECONDS)
 

@@ -12,6 +12,7 @@ import torch
 
 from mmvsd.drafter_base import Drafter
 from mmvsd.target import Target
+from mmvsd.training.budget import Budget
 from mmvsd.training.config import TrainConfig
 from mmvsd.training.dataset import ExampleSplit, load_examples
 from mmvsd.training.distributed import derived_seed
@@ -119,11 +120,11 @@ def stream_reaches(config: TrainConfig, source, global_batch: int, step: int) ->
 
 
 def follow_stream(config: TrainConfig, target: Target, source: OnlineSource, global_batch: int, step: int,
-                  deadline: float) -> bool:
+                  budget: Budget) -> bool:
     """`wait_for_shards`: wait for the regeneration's next shards and append them to the stream until it holds
-    optimizer step `step` (True); False when the regeneration ends first or `deadline` (time.monotonic()) comes."""
+    optimizer step `step` (True); False when the regeneration ends first or the budget does."""
     while not stream_reaches(config, source, global_batch, step):
-        if not wait_for_shards(config.data, len(source.stream.blocks), deadline):
+        if not wait_for_shards(config.data, len(source.stream.blocks), budget):
             return False
         stream = load_shard_stream(target, config.data, max_length=config.max_length, seed=config.seed,
                                    validation_fraction=config.validation_fraction, adapter=config.adapter)

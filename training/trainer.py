@@ -37,6 +37,7 @@ from mmvsd.files import atomic_file
 from mmvsd.target import Target
 from mmvsd.target_loader import load_target
 from mmvsd.training.acceptance import TauMonitor
+from mmvsd.training.budget import Budget
 from mmvsd.training.config import TrainConfig
 from mmvsd.training.dataset import data_specs, draft_vocab_from_counts, token_frequencies
 from mmvsd.training.distributed import (
@@ -319,14 +320,14 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
                         f"{accelerator.device}: load it there (load_target(..., device=...))")
     target.model.to(accelerator.device)
     monitor = _tau_monitor(config, target, accelerator)
-    deadline = time.monotonic() + 60 * config.max_minutes if config.max_minutes > 0 else math.inf
+    budget = Budget(config.max_minutes)
     source = training_source(config, target, read)
     if source.stream is not None:
         if resume_from is not None:
             check_stream_resume(state.data_key, state.data_blocks, source.stream, resume_from)
         state.data_key, state.data_blocks = source.stream.key, source.stream.blocks
         reaches = stream_reaches(config, source, split.global_size, state.step) or (
-            config.wait_for_shards and follow_stream(config, target, source, split.global_size, state.step, deadline))
+            config.wait_for_shards and follow_stream(config, target, source, split.global_size, state.step, budget))
         if not reaches:
             if resume_from is None:
                 raise UserError(f"the finished shards of {config.data} hold fewer examples than one step takes "
@@ -362,32 +363,36 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
     accelerator.init_trackers("train", config=_scalar_config(config))
     bar = tqdm(total=steps, initial=state.step, desc=f"train {config.objective}", dynamic_ncols=True,
                disable=not (config.progress and accelerator.is_main_process))
-    while state.step < steps:
-        started = time.monotonic()
-        metrics = _optimizer_step(run, state)
-        seconds = time.monotonic() - started
-        state.step += 1
-        bar.update(1)
-        if time.monotonic() > deadline or state.step == config.stop_at_step:  # a budget: stop as if at the end
-            steps = state.step
-        elif state.step < steps and not (stream_reaches(config, source, split.global_size, state.step) or (
-                config.wait_for_shards and follow_stream(config, target, source, split.global_size, state.step,
-                                                         deadline))):
-            logger.warning("trained through the %d finished shards at step %d of %d; run again with --resume when "
-                           "`mmvsd regenerate` has finished more", len(source.stream.blocks), state.step, steps)
-            steps = state.step
-        if monitor is not None and (state.step % config.eval_every == 0 or state.step == steps):
-            _log_tau(monitor, run.drafter, accelerator, out_dir, state)
-        bar.set_postfix(_postfix(metrics, monitor), refresh=False)
-        if state.step % config.log_every == 0 or state.step == steps:
-            accelerator.log({f"train/{k}": v for k, v in metrics.items()}, step=state.step)
-        if accelerator.is_main_process:
-            with open(out_dir / TRAIN_LOG, "a", encoding="utf-8") as handle:
-                handle.write(json.dumps({"step": state.step, "seconds": round(seconds, 3), **metrics}) + "\n")
-        if source.stream is not None:
-            state.data_blocks = source.stream.blocks  # the shards the run may read now (wait_for_shards adds some)
-        if state.step % config.save_every == 0 or state.step == steps:
-            save_checkpoint(accelerator, out_dir, config, state)
+    with budget.listening():  # SIGTERM or a first Ctrl-C: stop after the step, as max_minutes does
+        while state.step < steps:
+            started = time.monotonic()
+            metrics = _optimizer_step(run, state)
+            seconds = time.monotonic() - started
+            state.step += 1
+            bar.update(1)
+            if reduce_count(accelerator, int(budget.spent())) or state.step == config.stop_at_step:  # as if the end
+                steps = state.step
+            elif state.step < steps and not (stream_reaches(config, source, split.global_size, state.step) or (
+                    config.wait_for_shards and follow_stream(config, target, source, split.global_size, state.step,
+                                                             budget))):
+                logger.warning("trained through the %d finished shards at step %d of %d; run again with --resume "
+                               "when `mmvsd regenerate` has finished more", len(source.stream.blocks), state.step,
+                               steps)
+                steps = state.step
+            if monitor is not None and not budget.stopped() and (state.step % config.eval_every == 0
+                                                                 or state.step == steps):
+                _log_tau(monitor, run.drafter, accelerator, out_dir, state)
+            bar.set_postfix(_postfix(metrics, monitor), refresh=False)
+            if state.step % config.log_every == 0 or state.step == steps:
+                accelerator.log({f"train/{k}": v for k, v in metrics.items()}, step=state.step)
+            if accelerator.is_main_process:
+                with open(out_dir / TRAIN_LOG, "a", encoding="utf-8") as handle:
+                    handle.write(json.dumps({"step": state.step, "seconds": round(seconds, 3), **metrics})
+                                 + "\n")
+            if source.stream is not None:
+                state.data_blocks = source.stream.blocks  # the shards it may read now (wait_for_shards adds)
+            if state.step % config.save_every == 0 or state.step == steps:
+                save_checkpoint(accelerator, out_dir, config, state)
     bar.close()
     accelerator.end_training()
     if accelerator.is_main_process:
