@@ -306,12 +306,18 @@ def _tau_text(tau) -> str:
 # (`HELD_OUT_FIGURES`, with the prompts and the command), or a sentence saying why it was not measured.
 
 # held-out acceptance at T = 0: what an engine drafting the drafter's top token gets (first token, a depth-3
-# chain), then the paper's tree
+# chain), then tau with the paper's tree (`tau_60_7_10`; `tau_60_5_8` on image prompts)
 HELD_OUT_FIGURES = {
     "first_token": "first draft token accepted (argmax chain)",
     "chain_3": "accepted tokens per depth-3 argmax chain (0-3)",
-    "tau_60_7_10": "tau, tree 60/7/10 (tokens per target forward)",
 }
+HELD_OUT_TAU = "tau_"  # + BUDGET_DEPTH_TOPK
+
+
+def _held_out_labels(held_out: dict) -> dict[str, str]:
+    taus = {key: f"tau, tree {key[len(HELD_OUT_TAU):].replace('_', '/')} (tokens per target forward)"
+            for key in held_out if key.startswith(HELD_OUT_TAU)}
+    return {**HELD_OUT_FIGURES, **taus}
 
 
 def missing_card_info(manifest: dict) -> list[str]:
@@ -320,6 +326,8 @@ def missing_card_info(manifest: dict) -> list[str]:
     held_out = manifest.get("held_out")
     if isinstance(held_out, dict):
         missing += [f"held_out.{key}" for key in (*HELD_OUT_FIGURES, "prompts", "command") if key not in held_out]
+        if not any(key.startswith(HELD_OUT_TAU) for key in held_out):
+            missing.append(f"held_out.{HELD_OUT_TAU}BUDGET_DEPTH_TOPK")
     return missing
 
 
@@ -332,7 +340,7 @@ def _held_out_lines(held_out) -> list[str]:
         return [str(held_out)]  # why it was not measured
     lines = [f"On {held_out['prompts']}, at T = 0 (`{held_out['command']}`):", "",
              "| measure | value |", "| --- | --- |"]
-    lines += [f"| {label} | {_figure(held_out[key])} |" for key, label in HELD_OUT_FIGURES.items()]
+    lines += [f"| {label} | {_figure(held_out[key])} |" for key, label in _held_out_labels(held_out).items()]
     if held_out.get("machine"):
         lines += ["", f"Measured on: {held_out['machine']}."]
     return lines

@@ -113,7 +113,7 @@ def test_write_manifest_refuses_what_must_not_ship(root, trained_folder, monkeyp
         shipped.write_manifest(trained_folder, **{k: v for k, v in INFO.items() if k not in ("tokens_seen", "machine")},
                                target="tiny-llama")
     unmeasured = {**INFO, "held_out": {"prompts": "4 prompts", "first_token": 0.25, "command": "c"}}
-    with pytest.raises(UserError, match="lacks held_out.chain_3, held_out.tau_60_7_10"):
+    with pytest.raises(UserError, match="lacks held_out.chain_3, held_out.tau_BUDGET_DEPTH_TOPK"):
         shipped.write_manifest(trained_folder, **unmeasured, target="tiny-llama")
     monkeypatch.setattr(shipped, "MAX_FILE_BYTES", 1000)
     with pytest.raises(UserError, match="at most 0 MB"):

@@ -13,7 +13,9 @@ Each arm minus the baseline, with a paired bootstrap 95% interval over prompts. 
 chain_3 interval lies above 0 and its first_token interval does not lie below 0; an arm the baseline beats the
 same way loses; anything else is a tie, and a tie goes to the cheaper objective (the order of `--arm`, cheapest
 first). `--reference NAME=REPORT` (e.g. the arms' start) is measured and compared the same way but is not a
-candidate. `--tau NAME=REPORT` adds a secondary tau (tree 60/7/10), reported beside the primary measures.
+candidate. `--tau NAME=REPORT` adds a secondary tau (the paper's tree: 60/7/10, or 60/5/8 on image prompts),
+reported beside the primary measures as `tau_BUDGET_DEPTH_TOPK`. `NAME=A.json,B.json` reads several reports of one
+drafter (e.g. one per image task) as one, their prompts in that order.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ def tau_counts(report: dict) -> tuple[np.ndarray, np.ndarray]:
             np.array([[p["target_forwards"] for p in report["prompts"]]], dtype=float))
 
 
+def tau_key(report: dict) -> str:
+    """tau_60_7_10 for a report of the 60/7/10 tree."""
+    return "tau_" + report["tree"].replace("/", "_")
+
+
 def verdict(comparison: dict[str, dict]) -> str:
     """beats | loses | tie, by the pre-registered rule (chain_3 decides, first_token must not go the other way)."""
     chain, first = comparison["chain_3"]["diff_ci95"], comparison["first_token"]["diff_ci95"]
@@ -80,7 +87,7 @@ def pilot(reports: dict[str, dict], baseline: str, taus: dict[str, dict], refere
             row[measure] = {"value": float(pooled_tau(*counted)[0]),
                             "ci95": percentile_interval(bootstrap_taus(*counted, resamples))}
         if name in taus:
-            row["tau_60_7_10"] = float(pooled_tau(*tau_counts(taus[name]))[0])
+            row[tau_key(taus[name])] = float(pooled_tau(*tau_counts(taus[name]))[0])
         if name != baseline:
             row["vs_baseline"] = {m: compare_arms(counts[name][m], counts[baseline][m], resamples) for m in MEASURES}
             row["verdict"] = verdict(row["vs_baseline"])
@@ -100,7 +107,7 @@ def format_pilot(result: dict) -> str:
             diffs = [row["vs_baseline"][m] for m in MEASURES]
             versus = "  ".join(f"{d['diff']:+.3f} [{d['diff_ci95'][0]:+.3f}, {d['diff_ci95'][1]:+.3f}]" for d in diffs)
             versus += f"  {row['verdict']}"
-        tau = f"  tau {row['tau_60_7_10']:.3f}" if "tau_60_7_10" in row else ""
+        tau = "".join(f"  {key} {value:.3f}" for key, value in row.items() if key.startswith("tau_"))
         lines.append(f"{name:<12} {cells[0]:>22} {cells[1]:>22}  {versus}{tau}")
     lines.append(f"decision: {result['decision']}")
     return "\n".join(lines)
@@ -109,22 +116,28 @@ def format_pilot(result: dict) -> str:
 def _named(items: list[str], flag: str) -> dict[str, dict]:
     named = {}
     for item in items:
-        name, sep, path = item.partition("=")
+        name, sep, paths = item.partition("=")
         if not sep:
-            sys.exit(f"scale_pilot: {flag} {item!r}: expected NAME=REPORT.json")
-        try:
-            named[name] = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            sys.exit(f"scale_pilot: {flag} {name}: cannot read {path}: {err}")
+            sys.exit(f"scale_pilot: {flag} {item!r}: expected NAME=REPORT.json[,REPORT.json...]")
+        reports = []
+        for path in paths.split(","):
+            try:
+                reports.append(json.loads(Path(path).read_text()))
+            except (OSError, json.JSONDecodeError) as err:
+                sys.exit(f"scale_pilot: {flag} {name}: cannot read {path}: {err}")
+        if len({report["tree"] for report in reports}) > 1:
+            sys.exit(f"scale_pilot: {flag} {name}: the reports replayed different trees")
+        named[name] = {**reports[0], "prompts": [prompt for report in reports for prompt in report["prompts"]]}
     return named
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--arm", action="append", required=True, help="NAME=REPORT.json, cheapest objective first")
+    parser.add_argument("--arm", action="append", required=True,
+                        help="NAME=REPORT.json[,REPORT.json...], cheapest objective first")
     parser.add_argument("--baseline", required=True)
     parser.add_argument("--reference", action="append", default=[], help="NAME=REPORT.json, compared, not a candidate")
-    parser.add_argument("--tau", action="append", default=[], help="NAME=REPORT.json at tree 60/7/10 (secondary)")
+    parser.add_argument("--tau", action="append", default=[], help="NAME=REPORT.json at the paper's tree (secondary)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     references = _named(args.reference, "--reference")

@@ -25,7 +25,7 @@ def test_measures_are_pooled_over_prompts_as_counted_directly():
     accepted = 0 + 1 + 3 + 2 + 0 + 3 + 3 + 3 + 0
     assert counts["first_token"][0].sum() / counts["first_token"][1].sum() == pytest.approx(first / steps)
     assert counts["chain_3"][0].sum() / counts["chain_3"][1].sum() == pytest.approx(accepted / steps)
-    result = scale_pilot.pilot({"ce": report}, "ce", {"ce": report}, resamples_count=50)
+    result = scale_pilot.pilot({"ce": report}, "ce", {"ce": {**report, "tree": "60/7/10"}}, resamples_count=50)
     assert result["arms"]["ce"]["first_token"]["value"] == pytest.approx(6 / 9)
     assert result["arms"]["ce"]["tau_60_7_10"] == pytest.approx((9 + 15 + 3) / (4 + 3 + 5))
     assert result["decision"] == "ce"
@@ -45,6 +45,21 @@ def test_an_arm_beats_loses_or_ties_by_the_registered_rule():
     reports["start"] = _report([[3, 3, 3, 3, 3]] * 30)  # a reference that beats everything is not a candidate
     assert scale_pilot.pilot(reports, "ce", {}, references=("start",), resamples_count=200)["decision"] == "ce+accept"
     assert "decision: ce+accept" in scale_pilot.format_pilot(result)
+
+
+def test_an_arm_may_be_several_reports_read_as_one(tmp_path, capsys):
+    """One report per image task: the arm's prompts are theirs in order, and the read-out equals one report's."""
+    first, second = _report([[1, 0, 2]] * 3), _report([[0, 3]] * 4)
+    for name, report in {"a1": first, "a2": second, "b": _report([[1, 0, 2]] * 3 + [[0, 3]] * 4)}.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps({**report, "tree": "4/3/1"}))
+    out = tmp_path / "out.json"
+    assert scale_pilot.main(["--arm", f"a={tmp_path / 'a1.json'},{tmp_path / 'a2.json'}", "--arm",
+                             f"b={tmp_path / 'b.json'}", "--baseline", "b", "--out", str(out)]) == 0
+    arms = json.loads(out.read_text())["arms"]
+    assert arms["a"]["first_token"] == arms["b"]["first_token"] and arms["a"]["vs_baseline"]["chain_3"]["diff"] == 0
+    (tmp_path / "a2.json").write_text(json.dumps({**second, "tree": "60/5/8"}))
+    with pytest.raises(SystemExit, match="different trees"):
+        scale_pilot.main(["--arm", f"a={tmp_path / 'a1.json'},{tmp_path / 'a2.json'}", "--baseline", "a"])
 
 
 def test_heldout_prompts_are_the_datasets_last_chat_turns_and_later_gsm8k_items(tmp_path):
