@@ -5,12 +5,17 @@ Layout (the released MSD / ViSpec checkpoints use these names):
     layers.0.*  one Llama decoder layer without its input norm (self_attn.{q,k,v,o}_proj, mlp.*,
                 post_attention_layernorm)
 The feature of position t is the target's final (normed) hidden state; the layer's output is in the
-same space and goes through the target's own LM head, so the draft vocabulary is the target's.
+same space and goes through the target's own LM head, so the draft vocabulary is the target's, or a subset
+of it: `draft_vocab_size` rows of that head (`restricted`, `mmvsd draft-vocab`: e.g. the tokens most frequent in the
+target's answers). The weights are the same either way; on a CPU, where the head's 49k x 576 matrix is most
+of a draft step's bytes, drafting over 8k rows costs a fraction (the `draft_ids` buffer is saved, the rows
+are sliced from the target's head when first used).
 Token embeddings and the LM head are borrowed from the target and never saved.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mmvsd.decoding.engine import packed_linear
 from mmvsd.decoding.kv import RaggedCache
 from mmvsd.drafter_base import (
     Drafter,
@@ -49,6 +55,7 @@ class Eagle1Config:
     fc_bias: bool = True
     max_images: int | None = None  # media items one sequence may hold (None: any number)
     target_name: str = ""
+    draft_vocab_size: int | None = None  # rows of the target's LM head drafted over (None: all of them)
 
     @classmethod
     def from_target(cls, target, **extra) -> Eagle1Config:
@@ -153,10 +160,14 @@ class Eagle1Drafter(Drafter):
         self.__dict__["lm_head"] = lm_head
         self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=config.fc_bias)
         self.layers = nn.ModuleList([DecoderLayer(config)])
+        if config.draft_vocab_size is not None:  # target ids of the draft vocabulary, ascending
+            self.register_buffer("draft_ids", torch.arange(config.draft_vocab_size))
+        self._head_rows: tuple[tuple, nn.Module] | None = None  # (what they were sliced from, `draft_head`)
 
     @classmethod
     def from_target(cls, target, draft_vocab_size: int | None = None, seed: int = 0) -> Eagle1Drafter:
-        """A freshly initialised drafter for `target` (its draft vocabulary is always the target's)."""
+        """A freshly initialised drafter for `target`, drafting over the target's whole vocabulary (training sees
+        every token; `restricted` narrows a trained one)."""
         with torch.random.fork_rng(devices=[]):  # a local stream: the caller's global RNG is left as it was
             torch.manual_seed(seed)
             config = cls.config_class.from_target(target, max_images=cls.default_max_images)
@@ -214,26 +225,58 @@ class Eagle1Drafter(Drafter):
                             f"{limit} (max_images in its config.json)")
 
     def set_draft_vocab(self, target_ids: Tensor) -> None:
-        """The draft vocabulary is the target's whole vocabulary: only that set is accepted."""
+        """Draft over `target_ids` [Vd]: the whole target vocabulary, or, with a `draft_vocab_size`, that many ids."""
         ids = torch.sort(target_ids.to(torch.long).cpu()).values
-        if not torch.equal(ids, torch.arange(self.config.vocab_size)):
-            raise ValueError(f"{self.display_name} drafters draft over the whole target vocabulary "
-                             f"({self.config.vocab_size} ids)")
+        size = self.config.draft_vocab_size
+        if size is None:
+            if not torch.equal(ids, torch.arange(self.config.vocab_size)):
+                raise ValueError(f"this {self.display_name} drafter drafts over the whole target vocabulary "
+                                 f"({self.config.vocab_size} ids); `restricted` narrows it")
+            return
+        vocab = self.config.vocab_size
+        if ids.numel() != size or ids.unique().numel() != size or int(ids[0]) < 0 or int(ids[-1]) >= vocab:
+            raise ValueError(f"need {size} distinct target ids below {vocab}, got {ids.numel()}")
+        self.draft_ids.copy_(ids)
+
+    def restricted(self, target_ids: Tensor) -> Eagle1Drafter:
+        config = dataclasses.replace(self.config, draft_vocab_size=int(target_ids.numel()))
+        drafter = type(self)(config, self.embed_tokens, self.lm_head)
+        drafter.load_state_dict({k: v for k, v in self.state_dict().items() if k != "draft_ids"}, strict=False)
+        drafter.set_draft_vocab(target_ids)
+        return drafter.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype).train(self.training)
 
     def draft_logits(self, hidden: Tensor) -> Tensor:
         head = self.lm_head  # the target's, in its dtype (bf16 targets: bf16 logits)
         hidden = hidden[..., : self.config.hidden_size].to(head.weight.dtype)
+        if self.config.draft_vocab_size is not None:
+            rows = self.draft_head()
+            return F.linear(hidden, rows.weight) if torch.is_grad_enabled() else rows(hidden)
         if torch.is_grad_enabled():  # training: gradients reach the drafter's states, never the target's head
             return F.linear(hidden, head.weight.detach())
         return head(hidden)  # decoding: the head as the target runs it (the exact engine's packed kernel)
+
+    def draft_head(self) -> nn.Module:
+        """The draft vocabulary's rows of the target's LM head as a linear layer (on oneDNN's packed kernel where the
+        target's own head runs on it), sliced again when the ids or the head change."""
+        weight = self.lm_head.weight.detach()
+        ids = self.draft_ids
+        source = (ids.data_ptr(), ids._version, weight.data_ptr(), weight._version, weight.dtype, weight.device)
+        if self._head_rows is None or self._head_rows[0] != source:
+            rows = nn.Linear(self.config.hidden_size, ids.numel(), bias=False, device="meta")
+            rows.weight = nn.Parameter(weight.index_select(0, ids.to(weight.device)).contiguous(), requires_grad=False)
+            packed = getattr(self.lm_head, "packed", None) is not None  # the target's head on the exact engine's kernel
+            self._head_rows = source, packed_linear(rows) if packed else rows
+        return self._head_rows[1]
 
     def draft_logprobs(self, hidden: Tensor) -> Tensor:
         return torch.log_softmax(self.draft_logits(hidden).float(), dim=-1)
 
     def draft_to_target(self, draft_ids: Tensor) -> Tensor:
-        return draft_ids
+        return draft_ids if self.config.draft_vocab_size is None else self.draft_ids[draft_ids]
 
     def draft_vocab_target_ids(self) -> Tensor:
+        if self.config.draft_vocab_size is not None:
+            return self.draft_ids
         return torch.arange(self.config.vocab_size, device=self.fc.weight.device)
 
     def check_target(self, target) -> None:

@@ -61,8 +61,11 @@ class Eagle1Layout(Layout):
     def export(self, drafter: Eagle1Drafter, out_dir: Path) -> None:
         """config.json + pytorch_model.bin as released, with the target's embeddings included."""
         config = {**released_config(drafter.config, next(drafter.parameters()).dtype), **self.extra_config(drafter)}
+        if drafter.config.draft_vocab_size is not None:  # mmvsd's decode-time narrowing: the weights are the same
+            logger.warning("mmvsd: the %s layout drafts over the whole vocabulary: this drafter's %d-token draft "
+                           "vocabulary is not written", self.name, drafter.config.draft_vocab_size)
         tensors = {EMBEDDINGS: drafter.embed_tokens.weight, **drafter.state_dict()}
-        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items() if k != "draft_ids"}
         (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         torch.save(tensors, out_dir / WEIGHTS)
 

@@ -86,8 +86,8 @@ def neural_drafter_from_spec(spec: str, target, seed: int = 0) -> Drafter | None
         drafter = load_drafter(resolve_drafter(spec, target.name), target)
     else:
         drafter = load_drafter(spec, target)
-    if target.engine != "stock":  # a CPU target on the exact engine: its bf16 drafter on the packed kernels too
-        pack_for_cpu(drafter)
+    if target.engine != "stock":  # a CPU target on the exact engine: its drafter on the packed kernels too
+        pack_for_cpu(drafter, fp32=True)
     return drafter
 
 

@@ -74,6 +74,13 @@ class Drafter(nn.Module):
         """Use `target_ids` [Vd] (e.g. the most frequent training tokens) as the draft vocabulary."""
         raise NotImplementedError
 
+    def restricted(self, target_ids: Tensor) -> Drafter:
+        """A copy of this trained drafter drafting over `target_ids` alone, its weights unchanged (drafters whose
+        head is the target's, where a smaller draft vocabulary only cuts the draft step's cost)."""
+        raise UserError(f"a {self.drafter_type} drafter drafts through a head of its own, trained over its draft "
+                        f"vocabulary ({self.draft_vocab_size} tokens): choose that size when training "
+                        f"(draft_vocab_size=N)")
+
     def init_from_target(self, target) -> None:
         """Copy what can start from the target's own weights (e.g. the LM head); default: nothing."""
 

@@ -361,6 +361,8 @@ def model_card(manifest: dict) -> str:
              ("objective", manifest["objective"]), ("data", manifest["data"]),
              ("tokens seen", manifest["tokens_seen"]), ("optimizer steps", manifest["steps"]),
              ("hours", manifest["hours"]), ("machine", manifest["machine"])]
+    if manifest.get("draft_vocab"):  # a drafter narrowed to part of the target's vocabulary (`mmvsd draft-vocab`)
+        facts.insert(2, ("draft vocabulary", manifest["draft_vocab"]))
     lines = [f"# {manifest['target']} / {manifest['name']}{default}", "",
              "A draft model for speculative decoding with mmvsd: "
              f"`mmvsd generate --target {manifest['target']} --drafter {manifest['name']}`. Lossless: the target's "

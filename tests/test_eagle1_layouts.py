@@ -165,6 +165,19 @@ def test_round_trip_gives_identical_drafts(llava_target, tmp_path, name):
     assert not torch.equal(draft_outputs(other)[1], after[1])  # the drafts depend on the weights
 
 
+@pytest.mark.parametrize("name", ["msd", "vispec"])
+def test_a_narrowed_drafter_exports_its_whole_vocabulary(llava_target, tmp_path, name, caplog):
+    """The released layouts draft over the whole vocabulary: a narrowed drafter exports the same weights without
+    its draft vocabulary (and says so), and drafts as the drafter it was narrowed from."""
+    drafter = our_drafter(name, llava_target, tmp_path / "full")
+    drafter.restricted(torch.arange(0, V, 2)).save_pretrained(tmp_path / "narrow")
+    export_drafter(tmp_path / "narrow", name, tmp_path / "out", target=llava_target)
+    assert "draft vocabulary is not written" in caplog.text
+    reloaded = layout(name).load(tmp_path / "out", llava_target)
+    assert reloaded.config == drafter.config
+    assert all(torch.equal(a, b) for a, b in zip(draft_outputs(drafter), draft_outputs(reloaded)))
+
+
 def test_vispec_drafts_depend_on_the_image(llava_target, tmp_path):
     """The exported adaptor weights are used: the image span changes what a ViSpec drafter drafts."""
     drafter = our_drafter("vispec", llava_target, tmp_path / "ours")

@@ -21,6 +21,18 @@ from mmvsd.placement import half_precision_warning
 from mmvsd.target import Target
 
 MEASURE_CHOICE = engine._measure_choice  # the real one, taken before conftest's session fixture replaces it
+PACKING = engine._packing_available  # the real probe
+
+
+def no_fp32_packing(monkeypatch) -> None:
+    """A CPU without oneDNN's fp32 kernel: the choice is between stock fp32 and the bf16 engine."""
+    monkeypatch.setattr(engine, "_packing_available",
+                        lambda dtype=torch.bfloat16: dtype != torch.float32 and PACKING(dtype))
+
+
+def needs_fp32_packing() -> None:
+    if not PACKING(torch.float32):
+        pytest.skip("this torch has no oneDNN fp32 linear")
 
 
 def direct_attention(query, key, value, seen):
@@ -159,9 +171,28 @@ def test_the_measured_bound_makes_bf16_decoding_equal_vanilla(monkeypatch, fitte
 
 
 def test_the_engine_is_for_half_precision_cpu_targets(tiny_target):
-    with pytest.raises(ValueError, match="half-precision CPU targets"):
+    with pytest.raises(ValueError, match="half-precision CPU targets, or fp32 ones on oneDNN's packed kernel"):
         engine.install_exact_engine(tiny_target, rows=4)
     assert engine.use_exact_engine(tiny_target) is False and tiny_target.engine == "stock"
+
+
+def test_fp32_on_the_packed_kernel_decodes_as_vanilla_does(fitted_drafter):
+    """The fp32 engine (oneDNN's packed kernel, float64 attention): speculative decoding equals vanilla on it token
+    for token, and its logits stay the stock fp32 logits up to rounding. Rows 1 (each row alone) is exact on any
+    CPU; the bound this CPU allows is what `--dtype auto` measures."""
+    needs_fp32_packing()
+    stock = Target(make_tiny_llama(0), None, "tiny-llama-fp32")
+    target = Target(copy.deepcopy(stock.model), None, "tiny-llama-fp32")
+    engine.install_exact_engine(target, rows=1, pack=True)
+    assert target.engine == f"exact{engine.ENGINE_VERSION}-rows1-packed"
+    prompts = PROMPT_POOL[:1] + random_prompts(2, seed=11)
+    config = DecodeConfig(max_new_tokens=24, tree=TreeShape(budget=16, depth=4, topk=4))
+    spec = speculative_generate(target, fitted_drafter, prompts, config)
+    assert [r.output_ids for r in spec] == [r.output_ids for r in vanilla_generate(target, prompts, config)]
+    assert max(max(r.accept_lengths) for r in spec) >= 3
+    ids = torch.tensor([PROMPT_POOL[0]])
+    with torch.no_grad():
+        torch.testing.assert_close(target.model(ids).logits, stock.model(ids).logits, atol=1e-4, rtol=1e-4)
 
 
 def test_use_exact_engine_where_the_cpu_allows_it(monkeypatch):
@@ -176,27 +207,35 @@ def test_use_exact_engine_where_the_cpu_allows_it(monkeypatch):
     assert engine.use_exact_engine(exact) is True and exact.engine.startswith(f"exact{engine.ENGINE_VERSION}-rows16")
 
 
-@pytest.mark.parametrize("rows,bf16_ms,chosen", [
-    (32, (9.0, 11.0), torch.bfloat16),  # exact, as fast at one token, faster at 16
-    (32, (10.5, 11.0), torch.float32),  # slower at one token: vanilla would lose
-    (32, (9.0, 21.0), torch.float32),  # no faster at 16
-    (2, (5.0, 6.0), torch.float32),  # exact only to 2 rows
+@pytest.mark.parametrize("rows,fp32_exact_ms,bf16_ms,chosen", [
+    (32, None, (9.0, 11.0), ("bfloat16", "exact")),  # exact, as fast at one token, faster at 16
+    (32, None, (10.5, 11.0), ("float32", "stock")),  # slower at one token: vanilla would lose
+    (32, None, (9.0, 21.0), ("float32", "stock")),  # no faster at 16
+    (2, None, (5.0, 6.0), ("float32", "stock")),  # exact only to 2 rows
+    (32, (10.0, 15.0), (10.5, 11.0), ("float32", "exact")),  # the fp32 engine: as fast at one token, faster at 16
+    (32, (10.0, 15.0), (9.0, 11.0), ("bfloat16", "exact")),  # bf16 beats the fp32 engine too
+    (32, (10.0, 15.0), (9.0, 16.0), ("float32", "exact")),  # bf16 beats stock fp32, not the fp32 engine, at 16
+    (32, (10.5, 15.0), (11.0, 21.0), ("float32", "stock")),  # neither engine is fast enough at one token
 ])
-def test_auto_precision_on_the_cpu_is_chosen_by_measurement(monkeypatch, rows, bf16_ms, chosen):
-    timings = iter([(10.0, 20.0), bf16_ms])
-    monkeypatch.setattr(engine, "_verify_ms", lambda target: next(timings))
+def test_auto_precision_on_the_cpu_is_chosen_by_measurement(monkeypatch, injected, rows, fp32_exact_ms, bf16_ms,
+                                                            chosen):
+    if fp32_exact_ms is not None:  # a CPU with oneDNN's fp32 kernel (the fixture takes it away)
+        needs_fp32_packing()
+        monkeypatch.setattr(engine, "_packing_available", PACKING)
+    injected.ms.update({"fp32": (10.0, 20.0), "fp32-exact": fp32_exact_ms, "bf16": bf16_ms})
     monkeypatch.setattr(engine, "measure_exact_rows", lambda target: rows)
-    monkeypatch.setattr(engine, "_measure_choice", MEASURE_CHOICE)  # conftest's stand-in keeps tests on fp32
-    fp32 = Target(make_tiny_llama(seed=3 + rows + int(bf16_ms[0] * 10 + bf16_ms[1])), None, "tiny-auto")
+    fp32 = Target(make_tiny_llama(seed=3), None, "tiny-auto")
     chosen_target = engine.choose_cpu_engine(fp32, progress=False)
-    assert chosen_target.dtype == chosen
-    if chosen == torch.bfloat16:
+    assert (str(chosen_target.dtype).removeprefix("torch."), "stock" if chosen_target.engine == "stock" else "exact"
+            ) == chosen
+    if chosen[1] == "exact":
         assert chosen_target is not fp32 and chosen_target.engine.startswith(f"exact{engine.ENGINE_VERSION}-rows{rows}")
-        assert fp32.dtype == torch.float32  # the fp32 model is left as it was
+        assert fp32.dtype == torch.float32 and fp32.engine == "stock"  # the fp32 model is left as it was
     else:
         assert chosen_target is fp32 and fp32.engine == "stock"
     monkeypatch.setattr(engine, "_verify_ms", lambda target: pytest.fail("measured twice"))
-    assert engine.choose_cpu_engine(fp32, progress=False).dtype == chosen  # cached per machine and target
+    again = engine.choose_cpu_engine(fp32, progress=False)  # cached per machine and target
+    assert again.dtype == chosen_target.dtype and again.engine == chosen_target.engine
 
 
 def test_a_drafter_is_packed_for_speed_and_keeps_its_weights(random_drafter):
@@ -214,23 +253,43 @@ def test_a_drafter_is_packed_for_speed_and_keeps_its_weights(random_drafter):
     assert torch.allclose(drafter.fc(x).float(), before.float(), atol=0.05)
 
 
-class InjectedSteps:
-    """Stands in for `engine._verify_ms`: the (1-token, 16-token) milliseconds of the target's precision now,
-    counting the timings taken per precision."""
+def test_an_fp32_drafter_is_packed_beside_an_fp32_engine(random_drafter):
+    needs_fp32_packing()
+    drafter = copy.deepcopy(random_drafter)
+    x = torch.randn(3, drafter.fc.in_features)
+    before = drafter.fc(x)
+    assert engine.pack_for_cpu(drafter, fp32=True) is True
+    assert isinstance(drafter.fc, engine.RowChunkedLinear) and drafter.fc.packed is not None
+    torch.testing.assert_close(drafter.fc(x), before, atol=1e-5, rtol=1e-5)
 
-    def __init__(self, fp32_ms: tuple[float, float], bf16_ms: tuple[float, float]) -> None:
-        self.ms = {torch.float32: fp32_ms, torch.bfloat16: bf16_ms}
-        self.calls = {torch.float32: 0, torch.bfloat16: 0}
+
+def candidate(target: Target) -> str:
+    """Which of the choice's candidates `target` is: stock fp32, fp32 on the engine, or bf16 on it."""
+    if target.dtype == torch.bfloat16:
+        return "bf16"
+    return "fp32" if target.engine == "stock" else "fp32-exact"
+
+
+class InjectedSteps:
+    """Stands in for `engine._verify_ms`: the (1-token, 16-token) milliseconds of each candidate now, counting the
+    timings taken per candidate."""
+
+    def __init__(self, fp32_ms: tuple[float, float], bf16_ms: tuple[float, float],
+                 fp32_exact_ms: tuple[float, float] | None = None) -> None:
+        self.ms = {"fp32": fp32_ms, "bf16": bf16_ms, "fp32-exact": fp32_exact_ms}
+        self.calls = {"fp32": 0, "bf16": 0, "fp32-exact": 0}
 
     def __call__(self, target: Target, repeats: int = 7) -> tuple[float, float]:
-        self.calls[target.dtype] += 1
-        return self.ms[target.dtype]
+        self.calls[candidate(target)] += 1
+        return self.ms[candidate(target)]
 
 
 @pytest.fixture()
 def injected(monkeypatch, tmp_path) -> InjectedSteps:
-    """Choices measured from injected timings (exact bound 32) into a cache of this test's own."""
+    """Choices measured from injected timings (exact bound 32) into a cache of this test's own; no fp32 engine
+    unless a test asks for one."""
     monkeypatch.setenv("MMVSD_CACHE", str(tmp_path))
+    no_fp32_packing(monkeypatch)
     steps = InjectedSteps((10.0, 20.0), (9.0, 11.0))
     monkeypatch.setattr(engine, "_verify_ms", steps)
     monkeypatch.setattr(engine, "measure_exact_rows", lambda target: 32)
@@ -255,14 +314,14 @@ def test_a_cached_choice_is_spot_checked_once_per_process_by_the_profiles_rule(m
                                                                                 bf16_now, measured_again):
     fp32 = Target(make_tiny_llama(seed=11), None, "tiny-spot")
     assert engine.choose_cpu_engine(fp32, progress=False).dtype == torch.bfloat16  # measured: 9/11 beats 10/20
-    assert injected.calls == {torch.float32: 1, torch.bfloat16: 1}
+    assert injected.calls == {"fp32": 1, "bf16": 1, "fp32-exact": 0}
     as_a_later_process(monkeypatch)
-    injected.ms = {torch.float32: fp32_now, torch.bfloat16: bf16_now}
+    injected.ms.update({"fp32": fp32_now, "bf16": bf16_now})
     with caplog.at_level(logging.WARNING):
         engine.choose_cpu_engine(fp32, progress=False)
         engine.choose_cpu_engine(fp32, progress=False)  # checked already in this process
     timed = 2 if measured_again else 1  # the spot check, then the new measurement
-    assert injected.calls == {torch.float32: 1 + timed, torch.bfloat16: 1 + timed}
+    assert injected.calls == {"fp32": 1 + timed, "bf16": 1 + timed, "fp32-exact": 0}
     assert ("no longer fits this machine" in caplog.text) == measured_again
     written = json.loads(engine.engine_path(engine._key(fp32, "cpu_engine")).read_text())
     assert tuple(written["fp32_ms"]) == (fp32_now if measured_again else (10.0, 20.0))  # the new reference
@@ -272,13 +331,13 @@ def test_a_drifted_choice_is_measured_again_and_may_flip_either_way(monkeypatch,
     fp32 = Target(make_tiny_llama(seed=12), None, "tiny-flip")
     assert engine.choose_cpu_engine(fp32, progress=False).dtype == torch.bfloat16
     as_a_later_process(monkeypatch)
-    injected.ms[torch.bfloat16] = (30.0, 40.0)  # this host's bf16 is now 3x slower: fp32 wins
+    injected.ms["bf16"] = (30.0, 40.0)  # this host's bf16 is now 3x slower: fp32 wins
     assert engine.choose_cpu_engine(fp32, progress=False) is fp32
     as_a_later_process(monkeypatch)
-    injected.ms[torch.float32] = (100.0, 200.0)  # and later fp32 10x slower (bf16 unchanged): bf16 wins again
+    injected.ms["fp32"] = (100.0, 200.0)  # and later fp32 10x slower (bf16 unchanged): bf16 wins again
     chosen = engine.choose_cpu_engine(fp32, progress=False)
     assert chosen.dtype == torch.bfloat16 and chosen.engine.startswith(f"exact{engine.ENGINE_VERSION}-rows32")
-    assert injected.calls == {torch.float32: 5, torch.bfloat16: 5}  # measured, checked+measured, checked+measured
+    assert injected.calls == {"fp32": 5, "bf16": 5, "fp32-exact": 0}  # measured, checked+measured, checked+measured
 
 
 def test_a_choice_without_exact_bf16_spot_checks_fp32_alone(monkeypatch, injected):
@@ -287,4 +346,4 @@ def test_a_choice_without_exact_bf16_spot_checks_fp32_alone(monkeypatch, injecte
     assert engine.choose_cpu_engine(fp32, progress=False) is fp32
     as_a_later_process(monkeypatch)
     assert engine.choose_cpu_engine(fp32, progress=False) is fp32
-    assert injected.calls == {torch.float32: 2, torch.bfloat16: 0}
+    assert injected.calls == {"fp32": 2, "bf16": 0, "fp32-exact": 0}

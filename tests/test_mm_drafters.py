@@ -257,6 +257,47 @@ def test_saved_drafters_reload_with_identical_draft_logits(fitted, mild_llava, t
         assert torch.equal(before, after)
 
 
+@pytest.mark.parametrize("name", ["msd", "vispec"])
+def test_a_narrowed_drafter_drafts_over_its_answers_tokens_and_stays_lossless(fitted, mild_llava, mm_data, tmp_path,
+                                                                              capsys, name):
+    folder, target = mild_llava
+    fitted[name].save_pretrained(tmp_path / "full")
+    code = main(["draft-vocab", "--target", str(folder), "--drafter", str(tmp_path / "full"), "--data",
+                 f"llava-instruct:{mm_data}", "--size", "48", "--out", str(tmp_path / "narrow")])
+    assert code == 0
+    assert "drafter over 48 of 128 tokens" in capsys.readouterr().out
+    full, narrow = fitted[name], load_drafter(tmp_path / "narrow", target)
+    ids = narrow.draft_vocab_target_ids()
+    assert ids.tolist() == sorted(set(ids.tolist())) and ids.numel() == 48
+    answers = [t for conv in json.loads(mm_data.read_text()) for t in target.tokenizer.encode(
+        conv["conversations"][1]["value"], add_special_tokens=False)]
+    counts = torch.bincount(torch.tensor(answers), minlength=target.vocab_size)
+    assert set(torch.sort(-counts, stable=True).indices[:20].tolist()) <= set(ids.tolist())  # the most frequent kept
+    with torch.no_grad():  # the same weights: log-softmax of the full logits over the kept rows
+        hidden = torch.randn(3, full.config.hidden_size * (2 if name == "vispec" else 1))
+        expected = torch.log_softmax(full.draft_logits(hidden).float()[:, ids], dim=-1)
+        torch.testing.assert_close(narrow.draft_logprobs(hidden), expected)
+    assert torch.equal(narrow.draft_to_target(torch.tensor([0, 47])), ids[[0, 47]])
+    prompts = image_prompts(target, mm_data.parent)
+    config = DecodeConfig(24, tree=TreeShape(12, 4, 3))
+    expected_ids = [r.output_ids for r in vanilla_generate(target, prompts, config)]
+    results = speculative_generate(target, narrow, prompts, config)
+    assert [r.output_ids for r in results] == expected_ids
+    accepted = [length for r in results[:3] for length in r.accept_lengths]
+    assert sum(accepted) / len(accepted) > 1.3
+
+
+def test_draft_vocab_refuses_a_drafter_with_a_head_of_its_own(llava_dir, llava_target, tmp_path, capsys):
+    drafter_class("eagle3").from_target(llava_target, draft_vocab_size=64).save_pretrained(tmp_path / "e3")
+    data = write_image_conversations(llava_target, tmp_path, answers_from_target=False)
+    args = ["draft-vocab", "--target", str(llava_dir), "--data", f"llava-instruct:{data}", "--out", str(tmp_path / "o")]
+    assert main(args + ["--drafter", str(tmp_path / "e3"), "--size", "32"]) == 2
+    assert "head of its own" in capsys.readouterr().err
+    assert main(args + ["--drafter", str(tmp_path / "e3"), "--size", "1000"]) == 2
+    assert "exceeds" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 def test_msd_takes_one_image_per_prompt(fitted, mild_llava, llava_dir):
     _, target = mild_llava
     two_images = adapter_for(target, "image").encode(target, "w5", [llava_dir / "a.png", llava_dir / "b.png"])
