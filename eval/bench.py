@@ -54,7 +54,7 @@ from mmvsd.eval.suites import (
     synthetic_note,
 )
 from mmvsd.placement import placement
-from mmvsd.shipped import default_drafter
+from mmvsd.shipped import has_default
 from mmvsd.target import Target
 from mmvsd.target_loader import load_target
 from mmvsd.tree_options import tree_shape
@@ -107,7 +107,7 @@ def build_methods(config: BenchConfig, target: Target) -> list[Method]:
 def tree_methods(config: BenchConfig, target: Target) -> list[Method]:
     """One tree-decoding method per `--drafter` and `--tree` shape."""
     methods = []
-    for spec in config.drafters or ["default" if default_drafter(config.target_name()) else "random"]:
+    for spec in config.drafters or ["default" if has_default(config.target_name()) else "random"]:
         drafter = drafter_from_spec(spec, target, config.seed)
         if drafter is None:
             raise UserError("--drafter none: use --methods vanilla (or hf) for plain decoding")

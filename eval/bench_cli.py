@@ -35,7 +35,7 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
                    help="target (default: smol-llava for suites with images, else smollm2-135m)")
     p.add_argument("--drafter", type=_list, default=defaults.drafters,
                    help="drafter folder(s) or shipped drafter names, comma-separated, compared side by side (default: "
-                        "the target's shipped drafter, else random, an untrained EAGLE-3 drafter)")
+                        "the target's default as in `mmvsd generate`, else random, an untrained EAGLE-3 drafter)")
     p.add_argument("--methods", type=_list, default=defaults.methods, help=f"subset of {','.join(METHODS)}")
     p.add_argument("--temperature", type=_temperatures, default=defaults.temperatures, help="e.g. 0,1")
     p.add_argument("--limit", type=int, default=defaults.limit, help="items per benchmark (0: all)")

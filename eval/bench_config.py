@@ -18,7 +18,7 @@ class BenchConfig:
 
     suite: str = "text"
     target: str = ""  # "": smol-llava for suites with images, else smollm2-135m
-    drafters: list[str] = field(default_factory=list)  # []: the target's shipped drafter, else random (untrained)
+    drafters: list[str] = field(default_factory=list)  # []: the target's default (`has_default`), else random
     methods: list[str] = field(default_factory=lambda: ["vanilla", "hf", "pld", "tree"])
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     limit: int = 0  # items per benchmark (0: all)

@@ -52,7 +52,7 @@ from mmvsd.adapters import choose_adapter
 from mmvsd.errors import UserError
 from mmvsd.files import atomic_file
 from mmvsd.placement import placement
-from mmvsd.shipped import default_drafter
+from mmvsd.shipped import has_default
 from mmvsd.tree_options import tree_for_prompts, tree_spec
 
 if TYPE_CHECKING:
@@ -157,7 +157,7 @@ class MmvsdLmms(lmms):
         parts = (int(value) or None for value in (tree_budget, tree_depth, tree_topk))  # 0: not given
         self.tree = tree_spec(str(tree) or None, *parts, names=TREE_ARGS)  # resolved per request's kind
         self.target = load_target(str(target), *placement(device or "auto", dtype))
-        drafter = str(drafter) or ("default" if default_drafter(str(target)) else "none")
+        drafter = str(drafter) or ("default" if has_default(str(target)) else "none")
         self.drafter = drafter_from_spec(drafter, self.target, self.seed)
         # speculative decoding that learns the auto shape's acceptance across requests, per temperature
         self.tree_generate = None if self.drafter is None else TreeGenerate(self.target, self.drafter)

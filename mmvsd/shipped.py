@@ -150,13 +150,19 @@ def resolve_drafter(spec: str, target_name: str) -> Path:
                     f"{target_name!r} (shipped for it: {names}{elsewhere})")
 
 
-def implicit_drafter_spec(target_name: str) -> str:
-    """What a command uses when no --drafter is given: `default` if the target has a shipped drafter (or, for a
-    built-in target, a default draft model)."""
+def has_default(target_name: str) -> bool:
+    """Whether `--drafter default` names something for this target: a shipped drafter, or, for a built-in target, a
+    default draft model (Qwen2.5-Coder-1.5B's 0.5B sibling)."""
     from mmvsd.target_loader import builtin_targets  # the registry of named targets, read once a command runs
 
     builtin = builtin_targets().get(target_name)
-    if any(d.target == target_name for d in list_shipped()) or (builtin is not None and builtin.default_drafter):
+    return any(d.target == target_name for d in list_shipped()) or bool(builtin is not None and builtin.default_drafter)
+
+
+def implicit_drafter_spec(target_name: str) -> str:
+    """What a command uses when no --drafter is given: `default` if the target has a shipped drafter (or, for a
+    built-in target, a default draft model)."""
+    if has_default(target_name):
         return "default"
     having = targets_with_default()
     raise UserError(f"no --drafter given and target {target_name!r} has no shipped drafter (targets with one: "
@@ -312,6 +318,11 @@ HELD_OUT_FIGURES = {
     "chain_3": "accepted tokens per depth-3 argmax chain (0-3)",
 }
 HELD_OUT_TAU = "tau_"  # + BUDGET_DEPTH_TOPK
+
+
+def held_out_tau_key(tree: str) -> str:
+    """The held_out key of the tau measured with tree BUDGET/DEPTH/TOPK: tau_60_7_10 for 60/7/10."""
+    return HELD_OUT_TAU + tree.replace("/", "_")
 
 
 def _held_out_labels(held_out: dict) -> dict[str, str]:

@@ -158,6 +158,20 @@ def test_a_builtin_default_draft_model_drops_a_format_its_target_cannot_run(fold
         drafter_from_spec(f"model:{folders['other']}@int8", fp16, ngram=False)
 
 
+def test_bench_without_a_drafter_runs_the_targets_default_draft_model(folders, monkeypatch):
+    """As `mmvsd generate` does: a built-in target's default draft model, not an untrained head."""
+    from mmvsd.eval.bench import tree_methods
+    from mmvsd.eval.bench_config import BenchConfig
+    from mmvsd.target_loader import BUILTIN_TARGETS, BuiltinTarget
+
+    monkeypatch.setitem(BUILTIN_TARGETS, "tiny-int8", BuiltinTarget(
+        "tiny-int8", assemble=lambda: folders["target"], default_drafter=f"model:{folders['other']}@int8"))
+    target = load_target("tiny-int8")
+    (method,) = tree_methods(BenchConfig(suite="humaneval", target="tiny-int8"), target)
+    assert method.name == "tree:default"
+    assert method.generate.drafter.neural.drafter_type == f"model:{folders['other']}@int8"
+
+
 def test_packed_linear_keeps_the_weight():
     linear = bf16_linear()
     assert packed_linear(linear).weight is linear.weight

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mmvsd.shipped import held_out_tau_key
 from mmvsd_studies.study_stats import (
     bootstrap_taus,
     compare_arms,
@@ -57,8 +58,8 @@ def tau_counts(report: dict) -> tuple[np.ndarray, np.ndarray]:
 
 
 def tau_key(report: dict) -> str:
-    """tau_60_7_10 for a report of the 60/7/10 tree."""
-    return "tau_" + report["tree"].replace("/", "_")
+    """The held_out key of a report's tau (tau_60_7_10 for the 60/7/10 tree), as shipped cards name it."""
+    return held_out_tau_key(report["tree"])
 
 
 def verdict(comparison: dict[str, dict]) -> str:
