@@ -152,6 +152,7 @@ class Eagle1Drafter(Drafter):
     display_name: ClassVar[str] = "EAGLE-1"
     default_max_images: ClassVar[int | None] = None
     reads_aux = False  # the final hidden states only
+    narrowable = True  # its head is the target's: a smaller draft vocabulary is a choice of rows
 
     def __init__(self, config: Eagle1Config, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
         super().__init__()

@@ -59,6 +59,7 @@ class Drafter(nn.Module):
     reads_media: ClassVar[bool] = False  # reads media embeddings (`PairMedia`): trains on data with media
     reads_aux: ClassVar[bool] = True  # whether `target_features` needs the auxiliary layers' hidden states
     proposes_from_context: ClassVar[bool] = False  # proposes from its draft vocabulary, never from the context
+    narrowable: ClassVar[bool] = False  # drafts through the target's head: `restricted` can narrow a trained one
 
     @property
     def neural(self) -> Drafter:
@@ -77,9 +78,7 @@ class Drafter(nn.Module):
     def restricted(self, target_ids: Tensor) -> Drafter:
         """A copy of this trained drafter drafting over `target_ids` alone, its weights unchanged (drafters whose
         head is the target's, where a smaller draft vocabulary only cuts the draft step's cost)."""
-        raise UserError(f"a {self.drafter_type} drafter drafts through a head of its own, trained over its draft "
-                        f"vocabulary ({self.draft_vocab_size} tokens): choose that size when training "
-                        f"(draft_vocab_size=N)")
+        raise UserError(not_narrowable(self))
 
     def init_from_target(self, target) -> None:
         """Copy what can start from the target's own weights (e.g. the LM head); default: nothing."""
@@ -186,6 +185,12 @@ def load_drafter_weights(drafter: Drafter, path: str | Path, what: str) -> None:
     if missing or unexpected:
         raise UserError(f"drafter weights in {path} do not match the {what} layout: "
                         f"missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+
+
+def not_narrowable(drafter: Drafter) -> str:
+    """Why `drafter` (not `narrowable`) cannot be given a smaller draft vocabulary after training."""
+    return (f"a {drafter.drafter_type} drafter drafts through a head of its own, trained over its draft vocabulary "
+            f"({drafter.draft_vocab_size} tokens): choose that size when training (draft_vocab_size=N)")
 
 
 def target_to_draft_ids(drafter: Drafter, vocab_size: int) -> Tensor:

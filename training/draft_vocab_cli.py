@@ -36,6 +36,7 @@ def add_draft_vocab_command(sub: argparse._SubParsersAction) -> None:
 def run_draft_vocab(args: argparse.Namespace) -> None:
     import torch  # CLI start-up: loaded per command
 
+    from mmvsd.drafter_base import not_narrowable  # CLI start-up: loaded per command
     from mmvsd.drafters.spec import neural_drafter_from_spec  # CLI start-up: loaded per command
     from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
     from mmvsd.training.dataset import draft_vocab_from_counts, load_examples, token_frequencies  # CLI start-up
@@ -48,6 +49,8 @@ def run_draft_vocab(args: argparse.Namespace) -> None:
     drafter = neural_drafter_from_spec(args.drafter, target)
     if drafter is None:
         raise UserError(f"--drafter {args.drafter} is not a neural drafter")
+    if not drafter.narrowable:  # before reading the data
+        raise UserError(not_narrowable(drafter))
     split = load_examples(target, args.data, num_conversations=args.num_conversations, max_length=args.max_length,
                           validation_fraction=0.0, seed=0, adapter=args.adapter, image_root=args.image_root)
     counts = token_frequencies(split.train, target.vocab_size)
@@ -55,6 +58,5 @@ def run_draft_vocab(args: argparse.Namespace) -> None:
     narrowed = drafter.restricted(ids)
     narrowed.save_pretrained(args.out)
     covered = float(counts[ids].sum()) / max(1, int(counts.sum()))
-    print(f"{args.out}: a {drafter.drafter_type} drafter "
-          f"over {args.size} of {target.vocab_size} tokens, {covered:.1%} of the {int(counts.sum()):,} answer tokens "
-          f"of {len(split.train)} conversations")
+    print(f"{args.out}: a {drafter.drafter_type} drafter over {args.size} of {target.vocab_size} tokens, "
+          f"{covered:.1%} of the {int(counts.sum()):,} answer tokens of {len(split.train)} conversations")
