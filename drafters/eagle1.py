@@ -247,11 +247,9 @@ class Eagle1Drafter(Drafter):
         return drafter.to(device=self.fc.weight.device, dtype=self.fc.weight.dtype).train(self.training)
 
     def draft_logits(self, hidden: Tensor) -> Tensor:
-        head = self.lm_head  # the target's, in its dtype (bf16 targets: bf16 logits)
+        # the target's head (or its draft vocabulary's rows), in its dtype (bf16 targets: bf16 logits)
+        head = self.lm_head if self.config.draft_vocab_size is None else self.draft_head()
         hidden = hidden[..., : self.config.hidden_size].to(head.weight.dtype)
-        if self.config.draft_vocab_size is not None:
-            rows = self.draft_head()
-            return F.linear(hidden, rows.weight) if torch.is_grad_enabled() else rows(hidden)
         if torch.is_grad_enabled():  # training: gradients reach the drafter's states, never the target's head
             return F.linear(hidden, head.weight.detach())
         return head(hidden)  # decoding: the head as the target runs it (the exact engine's packed kernel)

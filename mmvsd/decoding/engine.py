@@ -35,7 +35,7 @@ import functools
 import json
 import logging
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -185,6 +185,10 @@ class EngineChoice:
     fp32_exact_rows: int = 0  # the bound of the fp32 engine on oneDNN's packed kernel (0: no such kernel here)
     fp32_exact_ms: tuple[float, float] | None = None  # its steps (None when it is not exact here)
     engine: str = "stock"  # what runs the chosen dtype: "stock" kernels or the "exact" engine (bf16: always)
+
+    def bound(self, dtype: str) -> int:
+        """The measured exact bound of the engine in `dtype` ("float32" or "bfloat16")."""
+        return self.fp32_exact_rows if dtype == "float32" else self.exact_rows
 
     def describe(self) -> str:
         parts = [f"fp32 {self.fp32_ms[0]:.1f}/{self.fp32_ms[1]:.1f} ms"]
@@ -340,7 +344,7 @@ def choose_cpu_engine(target: Target, progress: bool = True) -> Target:
     cost_cache.mark_checked(path)
     if choice.dtype == "float32" and choice.engine == "stock":
         return target
-    return chosen if chosen is not None else _engine_copy(target, choice)
+    return chosen if chosen is not None else _engine_copy(target, choice.dtype, choice.bound(choice.dtype))
 
 
 def _cached_choice(key: dict[str, str]) -> EngineChoice | None:
@@ -371,16 +375,18 @@ def _measure_and_cache(target: Target, key: dict[str, str], progress: bool) -> E
 
 def _spot_check(target: Target, choice: EngineChoice) -> tuple[Target | None, str | None]:
     """Time again (SPOT_REPEATS rounds) what a cached choice rests on: (the chosen engine copy, timed; None when the
-    choice is stock fp32; why the timings of some candidate no longer hold here, or None)."""
+    choice is stock fp32; why the timings of some candidate no longer hold here, or None). One copy of the target
+    lives at a time: the chosen engine's is made last."""
     reasons = [_drift("an fp32 verify step", _verify_ms(target, SPOT_REPEATS), choice.fp32_ms)]
     chosen = None
-    for dtype, ms in (("float32", choice.fp32_exact_ms), ("bfloat16", choice.bf16_ms)):
-        if ms is None:
-            continue
-        copy_ = _engine_copy(target, replace(choice, dtype=dtype, engine="exact"))
-        reasons.append(_drift(f"an exact {_SHORT[dtype]} verify step", _verify_ms(copy_, SPOT_REPEATS), ms))
+    timed = [(dtype, ms) for dtype, ms in (("float32", choice.fp32_exact_ms), ("bfloat16", choice.bf16_ms)) if ms]
+    timed.sort(key=lambda candidate: choice.engine == "exact" and choice.dtype == candidate[0])
+    for dtype, ms in timed:
+        engined = _engine_copy(target, dtype, choice.bound(dtype))
+        reasons.append(_drift(f"an exact {_SHORT[dtype]} verify step", _verify_ms(engined, SPOT_REPEATS), ms))
         if choice.engine == "exact" and choice.dtype == dtype:
-            chosen = copy_
+            chosen = engined
+        del engined
     return chosen, "; ".join(reason for reason in reasons if reason) or None
 
 
@@ -393,24 +399,17 @@ def _drift(step: str, now_ms: tuple[float, ...], then_ms: tuple[float, ...]) -> 
     return cost_cache.timings_drift(now, then, step, when="chosen")
 
 
-def _engine_copy(target: Target, choice: EngineChoice) -> Target:
-    """A copy of the fp32 `target` on the exact engine the choice names: bf16, or fp32 on oneDNN's packed kernel."""
-    if choice.dtype == "bfloat16":
-        engined = _bf16_copy(target)
-        install_exact_engine(engined, choice.exact_rows)
-    else:
-        engined = _fp32_copy(target)
-        install_exact_engine(engined, choice.fp32_exact_rows, pack=True)
+def _engine_copy(target: Target, dtype: str, rows: int) -> Target:
+    """A copy of the fp32 `target` on the exact engine in `dtype` ("bfloat16", or "float32" on oneDNN's packed
+    kernel) with the bound `rows`."""
+    engined = _target_copy(target, getattr(torch, dtype))
+    install_exact_engine(engined, rows, pack=True if dtype == "float32" else None)
     return engined
 
 
-def _bf16_copy(target: Target) -> Target:
-    model = copy.deepcopy(target.model).to(torch.bfloat16)
+def _target_copy(target: Target, dtype: torch.dtype) -> Target:
+    model = copy.deepcopy(target.model).to(dtype)
     return Target(model, target.tokenizer, target.name, target.aux_layer_ids, target.processor)
-
-
-def _fp32_copy(target: Target) -> Target:
-    return Target(copy.deepcopy(target.model), target.tokenizer, target.name, target.aux_layer_ids, target.processor)
 
 
 def _no_slower(candidate: tuple[float, ...], incumbent: tuple[float, ...]) -> bool:
@@ -423,7 +422,7 @@ def _measure_choice(target: Target) -> EngineChoice:
     """Time stock fp32 and each exact engine this CPU allows (one copy of the target alive at a time: bf16 first, the
     smaller), then decide: stock fp32, replaced by the fp32 engine, then by bf16, each where `_no_slower` holds."""
     fp32_ms = _verify_ms(target)
-    half = _bf16_copy(target)
+    half = _target_copy(target, torch.bfloat16)
     rows = _bound_of(half)
     bf16_ms = None
     if rows >= 4:
@@ -432,7 +431,7 @@ def _measure_choice(target: Target) -> EngineChoice:
     del half
     fp32_rows, fp32_exact_ms = 0, None
     if _packing_available(torch.float32):
-        probe = _fp32_copy(target)
+        probe = _target_copy(target, torch.float32)
         fp32_rows = _bound_of(probe, pack=True)
         if fp32_rows >= 4:
             install_exact_engine(probe, fp32_rows, pack=True)
