@@ -1,14 +1,17 @@
 """Data-parallel training for real: `accelerate launch` starts 2 CPU processes (gloo) that must train the drafter one
-process trains with the doubled batch, resume bit-exactly, and resume with another number of processes."""
+process trains with the doubled batch, resume bit-exactly, resume with another number of processes, and stop
+together on SIGTERM."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,13 +35,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(tmp_path: Path, num_processes: int, *args: str) -> subprocess.CompletedProcess:
-    """`accelerate launch` of `python -m mmvsd train` with `num_processes` CPU processes."""
+def launch_command(tmp_path: Path, num_processes: int, *args: str) -> tuple[list[str], dict[str, str]]:
+    """`accelerate launch` of `python -m mmvsd train` with `num_processes` CPU processes: (command, environment)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env.update(ACCELERATE_USE_CPU="1", OMP_NUM_THREADS="1", MMVSD_CACHE=str(tmp_path / "cache"))
     command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--multi_gpu", "--num_processes",
                str(num_processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                "--main_process_port", str(free_port()), "-m", "mmvsd", "train", *args]
+    return command, env
+
+
+def launch(tmp_path: Path, num_processes: int, *args: str) -> subprocess.CompletedProcess:
+    command, env = launch_command(tmp_path, num_processes, *args)
     return subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600, check=False)
 
 
@@ -100,6 +108,38 @@ def test_resuming_with_another_number_of_processes_keeps_the_global_batch(runs, 
     two, one = weights(root / "ce"), weights(cut)
     for key in two:
         torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=1e-5, msg=key)
+
+
+def test_sigterm_to_the_launcher_stops_both_processes_at_one_step_with_a_checkpoint(runs, tmp_path, capsys):
+    """What a scheduler's preemption does (`kill` of the launcher; torch's agent passes SIGTERM on to its workers):
+    both processes stop after the same step, save it and the drafter, and the drafter is that step's training."""
+    root, common = runs
+    out = tmp_path / "stopped"
+    settings = [*common, "--objective", "ce", "max_steps=100000", "save_every=100000"]
+    command, env = launch_command(tmp_path, 2, *settings, "batch_size=2", "--output", str(out))
+    log = out / "train_log.jsonl"
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                          cwd=tmp_path) as launcher:
+        deadline = time.monotonic() + 300
+        while not (log.exists() and len(log.read_text().splitlines()) >= 3) and launcher.poll() is None:
+            assert time.monotonic() < deadline, "the run logged no steps in 300 s"
+            time.sleep(0.2)
+        launcher.send_signal(signal.SIGTERM)
+        stdout, stderr = launcher.communicate(timeout=300)
+    assert "SIGTERM: stopping after this step" in stderr, stderr[-3000:]
+    assert stdout.count("drafter written to") == 1, stderr[-3000:]
+    step = json.loads(log.read_text().splitlines()[-1])["step"]
+    assert 3 <= step < 100000, step
+    assert [p.name for p in (out / "checkpoints").iterdir()] == [f"step-{step:07d}"]
+    assert state(out, step)["num_processes"] == 2
+    one = tmp_path / "one"  # one process with the doubled batch, told to stop at the same step
+    assert main(["train", *settings, "batch_size=4", f"stop_at_step={step}", "--output", str(one)]) == 0
+    stopped, direct = weights(out), weights(one)
+    for key in direct:
+        torch.testing.assert_close(stopped[key], direct[key], rtol=1e-5, atol=1e-5, msg=key)
+    assert main(["train", *settings, "global_batch_size=4", f"stop_at_step={step + 1}", "--output", str(out),
+                 "--resume"]) == 0
+    assert state(out, step + 1)["step"] == step + 1
 
 
 def test_batch_split_rows_and_bad_splits():
