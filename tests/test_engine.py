@@ -143,6 +143,18 @@ def test_a_kernel_that_treats_one_row_apart_keeps_the_full_bound(monkeypatch):
         if isinstance(module, engine.RowChunkedLinear):
             module.pad_single = False
     assert engine.measure_exact_rows(target, context=12) == 1
+    assert engine._bound_of(bf16_target()) == (32, True)  # so the bound is measured padded there
+
+
+def test_lone_rows_go_in_alone_where_the_kernel_gives_them_the_same_bits(monkeypatch):
+    """A one-token step computes one row, not two, where the bound holds unpadded (measured so for oneDNN's fp32
+    kernel on an AVX2 EPYC); a kernel that changes results beyond 5 rows is bounded at 5 either way."""
+    target = bf16_target()
+    assert engine._bound_of(target, pack=False) == (32, False)
+    assert target.engine == f"exact{engine.ENGINE_VERSION}-rows32-unpadded"
+    assert not any(m.pad_single for m in target.model.modules() if isinstance(m, engine.RowChunkedLinear))
+    inject_row_dependent_kernel(monkeypatch, above=5)
+    assert engine._bound_of(bf16_target(), pack=False) == (5, False)
 
 
 def test_the_measured_bound_makes_bf16_decoding_equal_vanilla(monkeypatch, fitted_drafter):
@@ -297,6 +309,19 @@ def injected(monkeypatch, tmp_path) -> InjectedSteps:
     return steps
 
 
+def test_stock_is_timed_before_and_after_the_engines_and_its_faster_timings_decide(monkeypatch, injected):
+    """A machine slower while stock fp32 is timed first (a warming host, a neighbour's burst) must not hand the
+    choice to an engine that is slower than stock at its best: stock is timed again last, its faster steps kept."""
+    stock = iter([(12.0, 24.0), (10.0, 20.0)])
+    real = injected.__call__
+    monkeypatch.setattr(engine, "_verify_ms", lambda target, repeats=7: next(stock) if candidate(target) == "fp32"
+                        else real(target, repeats))
+    injected.ms["bf16"] = (11.0, 15.0)  # no slower than the first stock timing, slower than the second
+    fp32 = Target(make_tiny_llama(seed=3), None, "tiny-auto")
+    assert engine.choose_cpu_engine(fp32, progress=False) is fp32
+    assert engine._cached_choice(engine._key(fp32, "cpu_engine")).fp32_ms == (10.0, 20.0)
+
+
 def as_a_later_process(monkeypatch) -> None:
     """What a later process finds: the cached choice, not yet spot-checked in this process."""
     monkeypatch.setattr(engine.cost_cache, "_CHECKED", set())
@@ -314,14 +339,14 @@ def test_a_cached_choice_is_spot_checked_once_per_process_by_the_profiles_rule(m
                                                                                 bf16_now, measured_again):
     fp32 = Target(make_tiny_llama(seed=11), None, "tiny-spot")
     assert engine.choose_cpu_engine(fp32, progress=False).dtype == torch.bfloat16  # measured: 9/11 beats 10/20
-    assert injected.calls == {"fp32": 1, "bf16": 1, "fp32-exact": 0}
+    assert injected.calls == {"fp32": 2, "bf16": 1, "fp32-exact": 0}  # stock timed before and after bf16
     as_a_later_process(monkeypatch)
     injected.ms.update({"fp32": fp32_now, "bf16": bf16_now})
     with caplog.at_level(logging.WARNING):
         engine.choose_cpu_engine(fp32, progress=False)
         engine.choose_cpu_engine(fp32, progress=False)  # checked already in this process
-    timed = 2 if measured_again else 1  # the spot check, then the new measurement
-    assert injected.calls == {"fp32": 1 + timed, "bf16": 1 + timed, "fp32-exact": 0}
+    timed = 2 if measured_again else 1  # the spot check, then the new measurement (stock twice in it)
+    assert injected.calls == {"fp32": 2 + 2 * timed - 1, "bf16": 1 + timed, "fp32-exact": 0}
     assert ("no longer fits this machine" in caplog.text) == measured_again
     written = json.loads(engine.engine_path(engine._key(fp32, "cpu_engine")).read_text())
     assert tuple(written["fp32_ms"]) == (fp32_now if measured_again else (10.0, 20.0))  # the new reference
@@ -337,7 +362,8 @@ def test_a_drifted_choice_is_measured_again_and_may_flip_either_way(monkeypatch,
     injected.ms["fp32"] = (100.0, 200.0)  # and later fp32 10x slower (bf16 unchanged): bf16 wins again
     chosen = engine.choose_cpu_engine(fp32, progress=False)
     assert chosen.dtype == torch.bfloat16 and chosen.engine.startswith(f"exact{engine.ENGINE_VERSION}-rows32")
-    assert injected.calls == {"fp32": 5, "bf16": 5, "fp32-exact": 0}  # measured, checked+measured, checked+measured
+    # measured (stock twice), checked + measured, checked + measured
+    assert injected.calls == {"fp32": 8, "bf16": 5, "fp32-exact": 0}
 
 
 def test_a_choice_without_exact_bf16_spot_checks_fp32_alone(monkeypatch, injected):

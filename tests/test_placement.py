@@ -65,12 +65,12 @@ def test_generate_loads_target_and_drafter_in_the_asked_precision(no_gpu, tmp_pa
     monkeypatch.setattr(loader, "load_target", spy)
     tiny = save_tiny_target(tmp_path / "tiny")
     common = ["generate", "--target", str(tiny), "--prompt", "w1 w2 w3", "--max-new-tokens", "6"]
-    monkeypatch.setattr(engine, "exact_rows_for", lambda target: 1)  # a CPU whose bf16 kernels are not exact
+    monkeypatch.setattr(engine, "exact_bound_for", lambda target: (1, True))  # a CPU whose bf16 kernels are not exact
     code, _, err = run_cli(capsys, *common, "--drafter", "random", "--dtype", "bf16")
     assert code == 0, err
     assert seen == [(torch.bfloat16, "cpu")]
     assert err.count("mmvsd: warning: with a bfloat16 target") == 1 and "--dtype fp32" in err
-    monkeypatch.setattr(engine, "exact_rows_for", lambda target: 8)  # one whose kernels are exact to 8 rows
+    monkeypatch.setattr(engine, "exact_bound_for", lambda target: (8, False))  # one whose kernels are exact to 8 rows
     code, _, err = run_cli(capsys, *common, "--drafter", "random", "--dtype", "bf16")
     assert code == 0 and "warning" not in err
     code, _, err = run_cli(capsys, *common, "--drafter", "random")

@@ -19,7 +19,8 @@ The bound is measured, never assumed (`measure_exact_rows`): block forwards of 2
 one-token forwards, bit for bit. fp32 targets run the engine only on oneDNN's prepacked fp32 kernel (stock fp32
 GEMMs differ between 1 and 2 rows on the CPUs we measured, and MKL's are slow at 2-16 rows on AMD's; oneDNN's gave
 the same bits from 1 to 32 rows on an AVX2 EPYC, its verify steps of 2-16 tokens taking 0.7-0.85x the stock time);
-stock fp32 decoding stays equal to vanilla up to near-ties of the logits.
+stock fp32 decoding stays equal to vanilla up to near-ties of the logits. A lone row goes into a kernel by itself
+where that was measured to give the bits it gets among others, and twice (`pad_single`) where it was not.
 
 `choose_cpu_engine` is what `--dtype auto` runs on a CPU: it times a 1- and a 16-token verify step in fp32, in
 fp32 with the engine and in bf16 with the engine, and keeps an engine where it is exact and no slower; the choice
@@ -54,7 +55,7 @@ EXACT_ATTENTION = "mmvsd_exact"
 ROW_CANDIDATES = (2, 3, 4, 5, 6, 8, 12, 16, 24, 32)  # verify-step sizes the bound is checked at
 HALF = (torch.bfloat16, torch.float16)
 QUERY_CHUNK = 256  # queries per float64 attention product (bounds a long prefill's memory)
-ENGINE_VERSION = "4"  # in cached choices and, through `Target.engine`, in cost profiles
+ENGINE_VERSION = "5"  # in cached choices and, through `Target.engine`, in cost profiles
 SPOT_REPEATS = 3  # timed rounds (after a warm-up) when a cached choice is spot-checked; the choice itself times 7
 
 logger = logging.getLogger(__name__)
@@ -185,10 +186,15 @@ class EngineChoice:
     fp32_exact_rows: int = 0  # the bound of the fp32 engine on oneDNN's packed kernel (0: no such kernel here)
     fp32_exact_ms: tuple[float, float] | None = None  # its steps (None when it is not exact here)
     engine: str = "stock"  # what runs the chosen dtype: "stock" kernels or the "exact" engine (bf16: always)
+    pad_single: bool = True  # whether the bf16 engine's bound was measured with lone rows padded (`_bound_of`)
+    fp32_pad_single: bool = True  # the same for the fp32 engine
 
-    def bound(self, dtype: str) -> int:
-        """The measured exact bound of the engine in `dtype` ("float32" or "bfloat16")."""
-        return self.fp32_exact_rows if dtype == "float32" else self.exact_rows
+    def bound(self, dtype: str) -> tuple[int, bool]:
+        """The measured exact bound of the engine in `dtype` ("float32" or "bfloat16"), and whether it pads lone
+        rows."""
+        if dtype == "float32":
+            return self.fp32_exact_rows, self.fp32_pad_single
+        return self.exact_rows, self.pad_single
 
     def describe(self) -> str:
         parts = [f"fp32 {self.fp32_ms[0]:.1f}/{self.fp32_ms[1]:.1f} ms"]
@@ -201,10 +207,11 @@ class EngineChoice:
         return ", ".join(parts) + " (1/16 tokens verified)"
 
 
-def install_exact_engine(target: Target, rows: int, pack: bool | None = None) -> None:
+def install_exact_engine(target: Target, rows: int, pack: bool | None = None, pad_single: bool = True) -> None:
     """Swap the target's linear layers for row-chunked ones (prepacked where `pack`, default: bf16 with oneDNN)
-    and its attention for `exact_attention`; on a target that has them, set the chunks' rows. Half-precision
-    CPU targets, or fp32 ones with `pack` (oneDNN's fp32 kernel); rows >= 1 (1 is exact on any CPU, and slow)."""
+    and its attention for `exact_attention`; on a target that has them, set the chunks' rows (and `pad_single`).
+    Half-precision CPU targets, or fp32 ones with `pack` (oneDNN's fp32 kernel); rows >= 1 (1 is exact on any CPU,
+    and slow). `pad_single=False` only where `_bound_of` measured lone rows to be exact unpadded."""
     packed_fp32 = target.dtype == torch.float32 and bool(pack)
     if target.device.type != "cpu" or not (target.dtype in HALF or packed_fp32):
         raise ValueError(f"the exact engine is for half-precision CPU targets, or fp32 ones on oneDNN's packed "
@@ -214,12 +221,13 @@ def install_exact_engine(target: Target, rows: int, pack: bool | None = None) ->
     for module in list(target.model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, RowChunkedLinear):
-                child.rows = rows
+                child.rows, child.pad_single = rows, pad_single
             elif isinstance(child, nn.Linear):  # the LM head keeps its (maybe tied) weight beside the packed one
-                setattr(module, name, RowChunkedLinear(child, rows, pack, keep_weight=child is head))
+                setattr(module, name, RowChunkedLinear(child, rows, pack, keep_weight=child is head,
+                                                       pad_single=pad_single))
     target.model.config.get_text_config(decoder=True)._attn_implementation = EXACT_ATTENTION
     packed = any(isinstance(m, RowChunkedLinear) and m.packed is not None for m in target.model.modules())
-    target.engine = f"exact{ENGINE_VERSION}-rows{rows}{'-packed' if packed else ''}"
+    target.engine = f"exact{ENGINE_VERSION}-rows{rows}{'-packed' if packed else ''}{'' if pad_single else '-unpadded'}"
 
 
 def pack_for_cpu(module: nn.Module, fp32: bool = False) -> bool:
@@ -294,22 +302,30 @@ def _verify_ms(target: Target, repeats: int = 7) -> tuple[float, ...]:
     return tuple(1e3 * s for s in verify_step_seconds(target, 1, 256, False, SPOT_TOKENS, repeats).values())
 
 
-def exact_rows_for(target: Target) -> int:
-    """The measured exact bound of this half-precision CPU target (cached per machine and target)."""
+def exact_bound_for(target: Target) -> tuple[int, bool]:
+    """The measured exact bound of this half-precision CPU target and whether it pads lone rows (`_bound_of`;
+    cached per machine and target)."""
     key = _key(target, "exact_rows")
     cached = _read(key)
     if cached is not None:
-        return int(cached["exact_rows"])
-    rows = _bound_of(Target(copy.deepcopy(target.model), None, target.name, target.aux_layer_ids))
-    _write(key, {"exact_rows": rows})
-    return rows
+        return int(cached["exact_rows"]), bool(cached["pad_single"])
+    rows, pad_single = _bound_of(Target(copy.deepcopy(target.model), None, target.name, target.aux_layer_ids))
+    _write(key, {"exact_rows": rows, "pad_single": pad_single})
+    return rows, pad_single
 
 
-def _bound_of(probe: Target, pack: bool | None = None) -> int:
+def _bound_of(probe: Target, pack: bool | None = None) -> tuple[int, bool]:
     """The exact bound measured on `probe`, a throwaway half-precision target or, with `pack`, an fp32 one on
-    oneDNN's packed kernel (packing is one-way)."""
-    install_exact_engine(probe, rows=max(ROW_CANDIDATES), pack=pack)
-    return measure_exact_rows(probe)
+    oneDNN's packed kernel (packing is one-way), and whether lone rows need padding: measured first as they come
+    (a one-token step then computes one row, not two), and padded where that does not reach the largest bound
+    (a kernel that takes one row apart, `RowChunkedLinear`); the larger bound wins, a tie goes unpadded."""
+    install_exact_engine(probe, rows=max(ROW_CANDIDATES), pack=pack, pad_single=False)
+    alone = measure_exact_rows(probe)
+    if alone == max(ROW_CANDIDATES):
+        return alone, False
+    install_exact_engine(probe, rows=max(ROW_CANDIDATES), pack=pack, pad_single=True)
+    padded = measure_exact_rows(probe)
+    return (alone, False) if alone >= padded else (padded, True)
 
 
 def use_exact_engine(target: Target) -> bool:
@@ -317,10 +333,10 @@ def use_exact_engine(target: Target) -> bool:
     (stock kernels, equal to vanilla up to near-ties) where it does not."""
     if target.device.type != "cpu" or target.dtype not in HALF:
         return False
-    rows = exact_rows_for(target)
+    rows, pad_single = exact_bound_for(target)
     if rows < 2:
         return False
-    install_exact_engine(target, rows)
+    install_exact_engine(target, rows, pad_single=pad_single)
     return True
 
 
@@ -344,7 +360,7 @@ def choose_cpu_engine(target: Target, progress: bool = True) -> Target:
     cost_cache.mark_checked(path)
     if choice.dtype == "float32" and choice.engine == "stock":
         return target
-    return chosen if chosen is not None else _engine_copy(target, choice.dtype, choice.bound(choice.dtype))
+    return chosen if chosen is not None else _engine_copy(target, choice.dtype, *choice.bound(choice.dtype))
 
 
 def _cached_choice(key: dict[str, str]) -> EngineChoice | None:
@@ -354,7 +370,8 @@ def _cached_choice(key: dict[str, str]) -> EngineChoice | None:
         return None
     pair = lambda name: tuple(cached[name]) if cached.get(name) else None  # noqa: E731
     return EngineChoice(cached["dtype"], cached["exact_rows"], tuple(cached["fp32_ms"]), pair("bf16_ms"),
-                        cached.get("fp32_exact_rows", 0), pair("fp32_exact_ms"), cached.get("engine", "stock"))
+                        cached["fp32_exact_rows"], pair("fp32_exact_ms"), cached["engine"], cached["pad_single"],
+                        cached["fp32_pad_single"])
 
 
 def _measure_and_cache(target: Target, key: dict[str, str], progress: bool) -> EngineChoice:
@@ -369,7 +386,8 @@ def _measure_and_cache(target: Target, key: dict[str, str], progress: bool) -> E
     _write(key, {"dtype": choice.dtype, "engine": choice.engine, "exact_rows": choice.exact_rows,
                  "fp32_ms": list(choice.fp32_ms), "bf16_ms": list(choice.bf16_ms) if choice.bf16_ms else None,
                  "fp32_exact_rows": choice.fp32_exact_rows,
-                 "fp32_exact_ms": list(choice.fp32_exact_ms) if choice.fp32_exact_ms else None})
+                 "fp32_exact_ms": list(choice.fp32_exact_ms) if choice.fp32_exact_ms else None,
+                 "pad_single": choice.pad_single, "fp32_pad_single": choice.fp32_pad_single})
     return choice
 
 
@@ -382,7 +400,7 @@ def _spot_check(target: Target, choice: EngineChoice) -> tuple[Target | None, st
     timed = [(dtype, ms) for dtype, ms in (("float32", choice.fp32_exact_ms), ("bfloat16", choice.bf16_ms)) if ms]
     timed.sort(key=lambda candidate: choice.engine == "exact" and choice.dtype == candidate[0])
     for dtype, ms in timed:
-        engined = _engine_copy(target, dtype, choice.bound(dtype))
+        engined = _engine_copy(target, dtype, *choice.bound(dtype))
         reasons.append(_drift(f"an exact {_SHORT[dtype]} verify step", _verify_ms(engined, SPOT_REPEATS), ms))
         if choice.engine == "exact" and choice.dtype == dtype:
             chosen = engined
@@ -399,11 +417,11 @@ def _drift(step: str, now_ms: tuple[float, ...], then_ms: tuple[float, ...]) -> 
     return cost_cache.timings_drift(now, then, step, when="chosen")
 
 
-def _engine_copy(target: Target, dtype: str, rows: int) -> Target:
+def _engine_copy(target: Target, dtype: str, rows: int, pad_single: bool) -> Target:
     """A copy of the fp32 `target` on the exact engine in `dtype` ("bfloat16", or "float32" on oneDNN's packed
-    kernel) with the bound `rows`."""
+    kernel) with the bound `rows` (lone rows padded where `pad_single`)."""
     engined = _target_copy(target, getattr(torch, dtype))
-    install_exact_engine(engined, rows, pack=True if dtype == "float32" else None)
+    install_exact_engine(engined, rows, pack=True if dtype == "float32" else None, pad_single=pad_single)
     return engined
 
 
@@ -420,28 +438,33 @@ def _no_slower(candidate: tuple[float, ...], incumbent: tuple[float, ...]) -> bo
 
 def _measure_choice(target: Target) -> EngineChoice:
     """Time stock fp32 and each exact engine this CPU allows (one copy of the target alive at a time: bf16 first, the
-    smaller), then decide: stock fp32, replaced by the fp32 engine, then by bf16, each where `_no_slower` holds."""
+    smaller; stock before and after them, its faster timings kept, so a machine that is slow at first does not
+    favour an engine), then decide: stock fp32, replaced by the fp32 engine, then by bf16, each where `_no_slower`
+    holds."""
     fp32_ms = _verify_ms(target)
     half = _target_copy(target, torch.bfloat16)
-    rows = _bound_of(half)
+    rows, pad_single = _bound_of(half)
     bf16_ms = None
     if rows >= 4:
-        install_exact_engine(half, rows)
+        install_exact_engine(half, rows, pad_single=pad_single)
         bf16_ms = _verify_ms(half)
     del half
-    fp32_rows, fp32_exact_ms = 0, None
+    fp32_rows, fp32_pad_single, fp32_exact_ms = 0, True, None
     if _packing_available(torch.float32):
         probe = _target_copy(target, torch.float32)
-        fp32_rows = _bound_of(probe, pack=True)
+        fp32_rows, fp32_pad_single = _bound_of(probe, pack=True)
         if fp32_rows >= 4:
-            install_exact_engine(probe, fp32_rows, pack=True)
+            install_exact_engine(probe, fp32_rows, pack=True, pad_single=fp32_pad_single)
             fp32_exact_ms = _verify_ms(probe)
         del probe
+    if bf16_ms is not None or fp32_exact_ms is not None:  # timed first and last: an engine must beat its better
+        fp32_ms = tuple(map(min, fp32_ms, _verify_ms(target)))
     best: tuple[str, str, tuple[float, ...]] = ("float32", "stock", fp32_ms)
     for dtype, ms in (("float32", fp32_exact_ms), ("bfloat16", bf16_ms)):
         if ms is not None and _no_slower(ms, best[2]):
             best = (dtype, "exact", ms)
-    return EngineChoice(best[0], rows, fp32_ms, bf16_ms, fp32_rows, fp32_exact_ms, best[1])
+    return EngineChoice(best[0], rows, fp32_ms, bf16_ms, fp32_rows, fp32_exact_ms, best[1], pad_single,
+                        fp32_pad_single)
 
 
 def _key(target: Target, what: str) -> dict[str, str]:
