@@ -36,7 +36,7 @@ from mmvsd.data.image_photos import render_vqav2, vqav2_item
 from mmvsd.data.image_science import render_science_figure, scienceqa_item
 from mmvsd.data.image_text import render_text_scene, textvqa_item
 from mmvsd.errors import UserError
-from mmvsd.files import atomic_file
+from mmvsd.files import atomic_file, jsonl_lines
 
 SPLITS = ("train", "validation", "test")
 LONG_INSTRUCTION = ("Describe the image in detail and explain your reasoning step by step "
@@ -200,7 +200,7 @@ def read_items(records_path: Path) -> list[ImageItem]:
     try:
         text = records_path.read_text(encoding="utf-8")
         records = json.loads(text) if records_path.suffix == ".json" else [
-            json.loads(line) for line in text.splitlines() if line.strip()]
+            json.loads(line) for line in jsonl_lines(text) if line.strip()]
     except (OSError, json.JSONDecodeError) as error:
         raise UserError(f"cannot read image items from {records_path}: {error}") from error
     items = []

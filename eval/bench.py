@@ -53,6 +53,7 @@ from mmvsd.eval.suites import (
     resolve_suite,
     synthetic_note,
 )
+from mmvsd.files import jsonl_lines
 from mmvsd.placement import placement
 from mmvsd.shipped import has_default
 from mmvsd.target import Target
@@ -278,7 +279,7 @@ def read_records(out_dir: Path) -> list[Record]:
     path = out_dir / RECORDS
     records = []
     if path.is_file():
-        for line in path.read_text().splitlines():
+        for line in jsonl_lines(path.read_text(encoding="utf-8")):
             try:
                 records.append(Record(**json.loads(line)))
             except (json.JSONDecodeError, TypeError):

@@ -27,11 +27,12 @@ from mmvsd.errors import UserError
 from mmvsd.eval import LONG_SUFFIX, mllm_suite
 from mmvsd.eval.bench_item import BenchItem
 from mmvsd.eval.scoring import gsm8k_correct, humaneval_passed
+from mmvsd.files import jsonl_lines
 
 
 def _data_lines(relative: str) -> list[dict]:
     text = resources.files("mmvsd.data").joinpath(relative).read_text()
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [json.loads(line) for line in jsonl_lines(text) if line.strip()]
 
 
 def mt_bench_items() -> list[BenchItem]:

@@ -70,3 +70,10 @@ def cache_root() -> Path:
         return Path(os.environ["MMVSD_CACHE"])
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "mmvsd"
+
+
+def jsonl_lines(text: str) -> list[str]:
+    """The lines of JSON Lines text, split at "\\n" alone: `str.splitlines` also splits at U+2028, U+2029, U+0085
+    and other separators that JSON holds unescaped when written with `ensure_ascii=False` (ShareGPT's answers
+    have them), which cut a record in two."""
+    return text.split("\n")

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mmvsd.errors import UserError
+from mmvsd.files import jsonl_lines
 from mmvsd.plugins import load_plugins
 
 if TYPE_CHECKING:  # types only
@@ -28,7 +29,7 @@ def read_prompt_file(path: str | Path) -> list[str]:
     if not path.is_file():
         raise UserError(f"prompt file not found: {path}")
     prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(jsonl_lines(path.read_text(encoding="utf-8")), start=1):
         if not line.strip():
             continue
         try:

@@ -88,6 +88,20 @@ def test_resume_after_interrupt_generates_only_the_missing(chat_target, tmp_path
     assert calls == []
 
 
+def test_a_record_holding_unicode_line_separators_resumes(chat_target, tmp_path):
+    """JSON written with ensure_ascii=False keeps U+2028, U+2029 and U+0085 as they are (ShareGPT's texts have
+    them); the cache is read at "\\n" alone, so such a record is one line, found again on resume."""
+    cache = tmp_path / "cache.jsonl"
+    odd = conv("odd", ("user", "w1\u2028w2\u2029w3\x85w4"), ("assistant", "w5"))
+    first = regenerate_conversations(chat_target, [odd, CONVS[1]], cache_path=cache, max_new_tokens=MAX_NEW,
+                                     progress=False)
+    assert "\u2028" in cache.read_text(encoding="utf-8")  # written unescaped
+    stats = RegenerateStats()
+    again = regenerate_conversations(chat_target, [odd, CONVS[1]], cache_path=cache, max_new_tokens=MAX_NEW,
+                                     progress=False, stats=stats)
+    assert again == first and stats.num_cached == 2 and stats.num_regenerated == 0
+
+
 def test_cache_with_other_settings_or_garbage_is_refused(chat_target, tmp_path):
     cache = tmp_path / "cache.jsonl"
     regenerate_conversations(chat_target, CONVS[1:2], cache_path=cache, max_new_tokens=MAX_NEW, progress=False)

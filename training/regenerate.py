@@ -62,7 +62,7 @@ from mmvsd.adapter_base import ModalityAdapter, Prompt
 from mmvsd.data.conversations import Conversation, Turn
 from mmvsd.decoding.decode import DecodeConfig, vanilla_generate
 from mmvsd.errors import UserError
-from mmvsd.files import cache_root
+from mmvsd.files import cache_root, jsonl_lines
 from mmvsd.target import Target
 from mmvsd.training.media import with_placeholder
 
@@ -196,7 +196,7 @@ def read_cache(cache_path: Path, key: dict[str, Any]) -> dict[ConvKey, dict[str,
     complete = data[: data.rfind(b"\n") + 1]
     tail = data[len(complete):]
     try:
-        lines = complete.decode("utf-8").splitlines()
+        lines = jsonl_lines(complete.decode("utf-8"))
     except UnicodeDecodeError:
         lines = None
     # never cut a file that is not ours
