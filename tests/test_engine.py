@@ -143,12 +143,14 @@ def test_a_kernel_that_treats_one_row_apart_keeps_the_full_bound(monkeypatch):
         if isinstance(module, engine.RowChunkedLinear):
             module.pad_single = False
     assert engine.measure_exact_rows(target, context=12) == 1
-    assert engine._bound_of(bf16_target()) == (32, True)  # so the bound is measured padded there
+    assert engine._bound_of(bf16_target(), pack=False) == (32, True)  # so the bound is measured padded there
 
 
 def test_lone_rows_go_in_alone_where_the_kernel_gives_them_the_same_bits(monkeypatch):
     """A one-token step computes one row, not two, where the bound holds unpadded (measured so for oneDNN's fp32
-    kernel on an AVX2 EPYC); a kernel that changes results beyond 5 rows is bounded at 5 either way."""
+    kernel on an AVX2 EPYC); a kernel that changes results beyond 5 rows is bounded at 5 either way. Rows are
+    computed one by one (the injected kernel), so no CPU's own kernels decide the outcome."""
+    inject_row_dependent_kernel(monkeypatch, above=100)
     target = bf16_target()
     assert engine._bound_of(target, pack=False) == (32, False)
     assert target.engine == f"exact{engine.ENGINE_VERSION}-rows32-unpadded"
