@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+from pathlib import Path
 
 from mmvsd.errors import UserError
 from mmvsd.placement import add_placement_arguments, placement, positive_int
@@ -43,6 +44,11 @@ def add_regenerate_command(sub: argparse._SubParsersAction) -> None:
                         "faster on a CPU, text only, not bit-identical at near-ties")
     p.add_argument("--parallel", type=positive_int, default=8, help="llama.cpp slots decoding together")
     p.add_argument("--threads", type=int, default=0, help="llama.cpp threads (0: its default)")
+    p.add_argument("--store", default="",
+                   help="a shard store (a folder to commit: answers as compressed token ids): its shards are restored "
+                        "into --output first, and every finished shard is packed into it")
+    p.add_argument("--restore-only", action="store_true",
+                   help="with --store: restore its shards into --output (and pack finished ones), answer nothing")
     p.add_argument("--estimate", action="store_true", help="print the estimate and stop; write nothing")
     add_placement_arguments(p)
     p.set_defaults(handler=run_regenerate_command)
@@ -53,10 +59,20 @@ def run_regenerate_command(args: argparse.Namespace) -> None:
     from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
     from mmvsd.training.dataset import data_specs  # CLI start-up: loaded per command
     from mmvsd.training.media import media_adapter  # CLI start-up: loaded per command
-    from mmvsd.training.regenerate_shards import RegenerateSettings, regenerate_dataset  # CLI start-up
+    from mmvsd.training.regenerate_shards import (  # CLI start-up: loaded per command
+        RegenerateSettings,
+        read_manifest,
+        regenerate_dataset,
+    )
+    from mmvsd.training.shard_store import read_store_manifest  # CLI start-up: loaded per command
 
     if args.num_conversations < 0 or args.max_length < 0:
         raise UserError("--num-conversations and --max-length must be >= 0")
+    if args.restore_only and not args.store:
+        raise UserError("--restore-only restores from a --store; name one")
+    if args.store:
+        read_store_manifest(Path(args.store).expanduser())  # refused before the target loads
+    read_manifest(Path(args.output).expanduser())
     settings = RegenerateSettings(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                                   max_prompt_tokens=args.max_length or None, batch_size=args.batch_size,
                                   shard_size=args.shard_size, seed=args.seed)
@@ -64,6 +80,7 @@ def run_regenerate_command(args: argparse.Namespace) -> None:
                      for conv in load_conversations(spec, limit=args.num_conversations or None,
                                                     image_root=args.image_root or None)]
     conversations = conversations[:args.num_conversations or None]
+    gguf = _gguf_file(args) if args.engine == "llama.cpp" else None  # refused before the target loads
     dtype, device = placement(args.device, args.dtype)
     target = load_target(args.target, dtype=dtype, device=device)
     images = any(conv.image for conv in conversations)
@@ -71,22 +88,28 @@ def run_regenerate_command(args: argparse.Namespace) -> None:
     with contextlib.ExitStack() as stack:
         answer, engine = None, ""
         if args.engine == "llama.cpp":
-            answer = stack.enter_context(_llama_answers(args, target, settings))
+            answer = stack.enter_context(_llama_answers(args, gguf, target, settings))
             engine = answer.engine
         stats = regenerate_dataset(target, conversations, args.output, data=args.data, settings=settings,
-                                   answer=answer, engine=engine, adapter=adapter, estimate_only=args.estimate)
+                                   answer=answer, engine=engine, adapter=adapter, estimate_only=args.estimate,
+                                   store=args.store or None, restore_only=args.restore_only)
     if not args.estimate:
         print(stats.summary())
 
 
-def _llama_answers(args: argparse.Namespace, target, settings):
-    from mmvsd.eval.llamacpp_answers import LlamaCppAnswers  # CLI start-up: loaded per command
+def _gguf_file(args: argparse.Namespace) -> Path:
     from mmvsd.target_loader import target_gguf_file  # CLI start-up: loaded per command
 
     gguf = target_gguf_file(args.target)
     if gguf is None:
         raise UserError(f"--engine llama.cpp needs a GGUF target (a built-in one or a .gguf file); {args.target!r} "
                         "is not: use --engine mmvsd")
+    return gguf
+
+
+def _llama_answers(args: argparse.Namespace, gguf: Path, target, settings):
+    from mmvsd.eval.llamacpp_answers import LlamaCppAnswers  # CLI start-up: loaded per command
+
     longest = (settings.max_prompt_tokens or target.max_positions) + settings.max_new_tokens + SLOT_MARGIN
     return LlamaCppAnswers(gguf, parallel=args.parallel, context_per_slot=min(longest, target.max_positions),
                            threads=args.threads)

@@ -44,6 +44,7 @@ from mmvsd.training.regenerate import (
     regenerate_conversations,
     source_digest,
 )
+from mmvsd.training.shard_store import ShardStore, tokenizer_digest
 
 logger = logging.getLogger(__name__)
 
@@ -183,12 +184,14 @@ def _pending_shards(output: Path, shards: list[list[Conversation]], key: dict[st
 def regenerate_dataset(target: Target, conversations: list[Conversation], output: str | Path, *, data: str,
                        settings: RegenerateSettings = RegenerateSettings(), answer: AnswerFn | None = None,
                        engine: str = "", adapter: ModalityAdapter | None = None, estimate_only: bool = False,
-                       progress: bool = True) -> RegenerateStats:
+                       progress: bool = True, store: str | Path | None = None,
+                       restore_only: bool = False) -> RegenerateStats:
     """Answer `conversations` into shards under `output` (resumable); prints the estimate first.
 
     `data`: the dataset spec the conversations came from (recorded, and checked on resume). `answer`/`engine`: as
     for `regenerate_conversations` (default mmvsd's exact decoding). `estimate_only`: print the estimate, write
-    nothing.
+    nothing. `store`: a shard store (training/shard_store.py) that the shards it holds are restored from and every
+    finished shard is packed into; `restore_only`: restore and pack, answer nothing.
     """
     if settings.shard_size < 1:
         raise UserError(f"shard_size must be >= 1, got {settings.shard_size}")
@@ -204,10 +207,16 @@ def regenerate_dataset(target: Target, conversations: list[Conversation], output
     if manifest is not None:
         _check_resume(manifest, fresh, output)
     manifest = manifest or fresh
-    pending = _pending_shards(output, shards, key) if output.is_dir() else shards
+    header = {**manifest, "tokenizer": tokenizer_digest(target.tokenizer)}
+    shard_store = ShardStore.open(store, header) if store else None
+    pending = _pending_shards(output, shards, key) if output.is_dir() else list(shards)
+    restorable = _restorable(shard_store, manifest, len(shards))
+    for index in restorable:
+        pending[index] = []
     estimate = _estimate(target, answer, [c for shard in pending for c in shard], settings, adapter, manifest)
+    restoring = f", {len(restorable)} to restore from {store}" if store else ""
     print(f"regenerate into {output}: {len(conversations)} conversations in {len(shards)} shards of "
-          f"{settings.shard_size}; {estimate.describe()}", flush=True)
+          f"{settings.shard_size}{restoring}; {estimate.describe()}", flush=True)
     free = shutil.disk_usage(_existing_parent(output)).free
     if estimate.disk_bytes > free:
         raise UserError(f"regeneration needs about {estimate.disk_bytes / 1e6:.0f} MB and {output} has "
@@ -217,12 +226,47 @@ def regenerate_dataset(target: Target, conversations: list[Conversation], output
         return stats
     output.mkdir(parents=True, exist_ok=True)
     _write_manifest(output, manifest)
+    if shard_store is not None:
+        _sync_store(shard_store, target, shards, output, manifest, key, restorable)
+        pending = _pending_shards(output, shards, key)  # a stored shard that did not rebuild is pending again
     for index, shard in enumerate(shards):
-        if not pending[index]:
+        if not pending[index] or restore_only:
             continue
         _run_shard(target, shard, index, output, manifest, settings, answer, engine, adapter, progress, stats)
+        if shard_store is not None:
+            shard_store.pack(index, shard, target.tokenizer, key, shard_path(output, index),
+                             manifest["shards"][str(index)])
     logger.info("regeneration in %s: %s", output, stats.summary())
     return stats
+
+
+def _restorable(shard_store: ShardStore | None, manifest: dict[str, Any], num_shards: int) -> list[int]:
+    """Shards the store holds that the work folder has not finished (their checksums are checked on restore)."""
+    if shard_store is None:
+        return []
+    restorable = []
+    for index in range(num_shards):
+        if str(index) in shard_store.manifest["shards"] and str(index) not in manifest["shards"]:
+            reason = shard_store.damaged(index)
+            if reason:
+                print(f"stored shard {index}: {reason}; left out, regenerated", flush=True)
+            else:
+                restorable.append(index)
+    return restorable
+
+
+def _sync_store(shard_store: ShardStore, target: Target, shards: list[list[Conversation]], output: Path,
+                manifest: dict[str, Any], key: dict[str, Any], restorable: list[int]) -> None:
+    """Restore the store's shards into the work folder, then pack the work folder's finished shards it lacks."""
+    for index in restorable:
+        figures = shard_store.restore(index, shards[index], target.tokenizer, key, shard_path(output, index))
+        if figures is not None:
+            manifest["shards"][str(index)] = figures
+    manifest["shards"] = dict(sorted(manifest["shards"].items(), key=lambda item: int(item[0])))
+    _write_manifest(output, manifest)
+    for index in sorted(int(i) for i in manifest["shards"]):
+        shard_store.pack(index, shards[index], target.tokenizer, key, shard_path(output, index),
+                         manifest["shards"][str(index)])
 
 
 def _estimate(target: Target, answer: AnswerFn, pending: list[Conversation], settings: RegenerateSettings,

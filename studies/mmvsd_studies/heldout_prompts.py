@@ -7,9 +7,11 @@
   the regeneration (`data_order=shards`) reaches last. Turns outside `--min-chars`..`--max-chars` are passed over:
   a one-word turn tests little, and prompt and continuation should fit the CPU recipe's 512-token length.
 - `--math` GSM8K test problems from item `--math-start` on (the text suite's `--limit N` runs use the first N).
+- `--code` HumanEval problems from item `--code-start` on (likewise past the text suite's first items): code that
+  no drafter here trained on (they train on ShareGPT).
 
 One JSON object per line with a `prompt` (what `mmvsd eval-drafter --prompt-file` and the trainer's
-`eval_prompts` read) and its `source`. The file is a pure function of the installed data and these options.
+`eval_prompts` read), its `source` and its `domain` (chat, math, code: the groups reports give figures for). The file is a pure function of the installed data and these options.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import sys
 from pathlib import Path
 
 from mmvsd.data.conversations import load_conversations
-from mmvsd.eval.suites import gsm8k_items
+from mmvsd.eval.bench_item import BenchItem
+from mmvsd.eval.suites import gsm8k_items, humaneval_items
 
 
 def chat_prompts(data: str, count: int, min_chars: int, max_chars: int) -> list[dict]:
@@ -29,7 +32,7 @@ def chat_prompts(data: str, count: int, min_chars: int, max_chars: int) -> list[
     for conv in reversed(load_conversations(data)):
         first = next((turn.text for turn in conv.turns if turn.role == "user"), "")
         if min_chars <= len(first.strip()) <= max_chars:
-            picked.append({"prompt": first, "source": f"{data}:{conv.conv_id}"})
+            picked.append({"prompt": first, "source": f"{data}:{conv.conv_id}", "domain": "chat"})
         if len(picked) == count:
             break
     if len(picked) < count:
@@ -38,9 +41,10 @@ def chat_prompts(data: str, count: int, min_chars: int, max_chars: int) -> list[
     return picked[::-1]
 
 
-def math_prompts(start: int, count: int) -> list[dict]:
-    items = gsm8k_items()[start:start + count]
-    return [{"prompt": item.turns[0], "source": f"gsm8k:{item.item_id}"} for item in items]
+def benchmark_prompts(items: list[BenchItem], domain: str, start: int, count: int) -> list[dict]:
+    """Items `start` .. `start + count` of a benchmark, first turns."""
+    return [{"prompt": item.turns[0], "source": f"{item.benchmark}:{item.item_id}", "domain": domain}
+            for item in items[start:start + count]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,8 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-chars", type=int, default=1200)
     parser.add_argument("--math", type=int, default=20)
     parser.add_argument("--math-start", type=int, default=200)
+    parser.add_argument("--code", type=int, default=0)
+    parser.add_argument("--code-start", type=int, default=100)
     args = parser.parse_args(argv)
-    rows = chat_prompts(args.data, args.chat, args.min_chars, args.max_chars) + math_prompts(args.math_start, args.math)
+    rows = (chat_prompts(args.data, args.chat, args.min_chars, args.max_chars)
+            + benchmark_prompts(gsm8k_items(), "math", args.math_start, args.math)
+            + benchmark_prompts(humaneval_items(), "code", args.code_start, args.code))
     Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
     print(f"{args.out}: {len(rows)} prompts")
     return 0

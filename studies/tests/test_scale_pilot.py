@@ -62,14 +62,18 @@ def test_an_arm_may_be_several_reports_read_as_one(tmp_path, capsys):
         scale_pilot.main(["--arm", f"a={tmp_path / 'a1.json'},{tmp_path / 'a2.json'}", "--baseline", "a"])
 
 
-def test_heldout_prompts_are_the_datasets_last_chat_turns_and_later_gsm8k_items(tmp_path):
+def test_heldout_prompts_are_the_datasets_last_chat_turns_and_later_benchmark_items(tmp_path):
     out = tmp_path / "heldout.jsonl"
-    assert heldout_prompts.main(["--out", str(out), "--chat", "3", "--math", "2", "--math-start", "5"]) == 0
+    options = ["--chat", "3", "--math", "2", "--math-start", "5", "--code", "2", "--code-start", "150"]
+    assert heldout_prompts.main(["--out", str(out), *options]) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [row["source"] for row in rows[3:]] == ["gsm8k:5", "gsm8k:6"]
+    assert [row["source"] for row in rows[3:]] == ["gsm8k:5", "gsm8k:6", "humaneval:HumanEval/150",
+                                                   "humaneval:HumanEval/151"]
+    assert [row["domain"] for row in rows] == ["chat"] * 3 + ["math"] * 2 + ["code"] * 2
+    assert rows[5]["prompt"].lstrip().startswith("def ") or "def " in rows[5]["prompt"]
     assert all(row["source"].startswith("sharegpt:") and 16 <= len(row["prompt"].strip()) <= 1200 for row in rows[:3])
     again = tmp_path / "again.jsonl"
-    heldout_prompts.main(["--out", str(again), "--chat", "3", "--math", "2", "--math-start", "5"])
+    heldout_prompts.main(["--out", str(again), *options])
     assert again.read_text() == out.read_text()
 
 
