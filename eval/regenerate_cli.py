@@ -55,6 +55,8 @@ def add_regenerate_command(sub: argparse._SubParsersAction) -> None:
 
 
 def run_regenerate_command(args: argparse.Namespace) -> None:
+    import torch  # CLI start-up: loaded per command
+
     from mmvsd.data.conversations import load_conversations  # CLI start-up: loaded per command
     from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
     from mmvsd.training.dataset import data_specs  # CLI start-up: loaded per command
@@ -82,7 +84,9 @@ def run_regenerate_command(args: argparse.Namespace) -> None:
     conversations = conversations[:args.num_conversations or None]
     gguf = _gguf_file(args) if args.engine == "llama.cpp" else None  # refused before the target loads
     dtype, device = placement(args.device, args.dtype)
-    target = load_target(args.target, dtype=dtype, device=device)
+    # llama.cpp answers: the target gives its tokenizer and chat template only, so no engine is measured for it
+    target = load_target(args.target, dtype=dtype or torch.float32, device=device, exact=False) if gguf else \
+        load_target(args.target, dtype=dtype, device=device)
     images = any(conv.image for conv in conversations)
     adapter = media_adapter(target, args.adapter) if images else None
     with contextlib.ExitStack() as stack:

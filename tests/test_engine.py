@@ -324,9 +324,26 @@ def test_stock_is_timed_before_and_after_the_engines_and_its_faster_timings_deci
     assert engine._cached_choice(engine._key(fp32, "cpu_engine")).fp32_ms == (10.0, 20.0)
 
 
-def as_a_later_process(monkeypatch) -> None:
-    """What a later process finds: the cached choice, not yet spot-checked in this process."""
+def as_a_later_process(monkeypatch, hours: float = engine.REMEASURE_HOURS + 1) -> None:
+    """What a later process finds `hours` later: the cached choice, not yet spot-checked in this process."""
     monkeypatch.setattr(engine.cost_cache, "_CHECKED", set())
+    clock = engine._now() + hours * 3600
+    monkeypatch.setattr(engine, "_now", lambda: clock)
+
+
+def test_a_drifted_choice_is_kept_when_measured_recently_so_a_busy_machine_does_not_stall(monkeypatch, injected,
+                                                                                          caplog):
+    fp32 = Target(make_tiny_llama(seed=14), None, "tiny-busy")
+    assert engine.choose_cpu_engine(fp32, progress=False).dtype == torch.bfloat16
+    injected.ms.update({"fp32": (30.0, 60.0), "bf16": (27.0, 33.0)})  # everything 3x slower: another job runs
+    as_a_later_process(monkeypatch, hours=1.0)
+    with caplog.at_level(logging.WARNING):
+        assert engine.choose_cpu_engine(fp32, progress=False).dtype == torch.bfloat16
+    assert "kept, as it was measured 1.0 h ago" in caplog.text
+    assert injected.calls == {"fp32": 2 + 1, "bf16": 1 + 1, "fp32-exact": 0}  # the spot check only
+    as_a_later_process(monkeypatch)  # a day later the same drift is measured again
+    engine.choose_cpu_engine(fp32, progress=False)
+    assert injected.calls == {"fp32": 3 + 3, "bf16": 2 + 2, "fp32-exact": 0}
 
 
 @pytest.mark.parametrize("fp32_now, bf16_now, measured_again", [

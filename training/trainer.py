@@ -308,36 +308,77 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
         read = check_dataset_exists(config.data, config.image_root, config.num_conversations)
     check_init(config)
     accelerator, split = _accelerator(config, out_dir)
+    state = _start_state(resume_from, split, accelerator)
+    target = _placed_target(config, target, accelerator)
+    monitor = _tau_monitor(config, target, accelerator)
+    budget = Budget(config.max_minutes)
+    source = training_source(config, target, read)
+    if source.stream is not None and not _stream_ready(config, target, source, split, state, budget, resume_from):
+        return out_dir
+    if warning := text_only_warning(config, target, sum(source.is_media)):
+        logger.warning(warning)
+    split.check_fits(len(source))
+    run = _prepare_run(config, target, source, split, state, accelerator, resume_from)
+    if accelerator.is_main_process:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        config.save(out_dir / "train_config.yaml")
+        _trim_train_log(out_dir / TRAIN_LOG, state.step)
+    accelerator.init_trackers("train", config=_scalar_config(config))
+    with budget.listening():  # SIGTERM or a first Ctrl-C: stop after the step, as max_minutes does
+        _train_steps(run, state, budget, monitor, target, out_dir)
+    accelerator.end_training()
+    if accelerator.is_main_process:
+        publish_drafter(run.drafter, out_dir)
+    return out_dir
+
+
+def _start_state(resume_from: Path | None, split: BatchSplit, accelerator) -> TrainState:
+    """A fresh run's state, or the checkpoint's (its batch split checked against this launch's)."""
     state = TrainState(num_processes=split.num_processes, global_batch=split.global_size)
-    if resume_from is not None:
-        saved = TrainState(**json.loads((resume_from / STATE_FILE).read_text()))
-        check_resume_split(resume_from, saved, split, sharded=accelerator.state.deepspeed_plugin is not None)
-        state = dataclasses.replace(saved, num_processes=split.num_processes, global_batch=split.global_size)
-    if target is None:  # loaded where it runs: a CPU-only engine (mmvsd.decoding.engine) must not reach a GPU
+    if resume_from is None:
+        return state
+    saved = TrainState(**json.loads((resume_from / STATE_FILE).read_text()))
+    check_resume_split(resume_from, saved, split, sharded=accelerator.state.deepspeed_plugin is not None)
+    return dataclasses.replace(saved, num_processes=split.num_processes, global_batch=split.global_size)
+
+
+def _placed_target(config: TrainConfig, target: Target | None, accelerator) -> Target:
+    """The target on the run's device (loaded there when not given: a CPU-only engine must not reach a GPU)."""
+    if target is None:
         target = load_training_target(config, str(accelerator.device))
     elif accelerator.device.type != "cpu" and target.engine.startswith("exact"):
         raise UserError(f"target {target.name} carries the CPU's exact engine and cannot train on "
                         f"{accelerator.device}: load it there (load_target(..., device=...))")
     target.model.to(accelerator.device)
-    monitor = _tau_monitor(config, target, accelerator)
-    budget = Budget(config.max_minutes)
-    source = training_source(config, target, read)
-    if source.stream is not None:
-        if resume_from is not None:
-            check_stream_resume(state.data_key, state.data_blocks, source.stream, resume_from)
-        state.data_key, state.data_blocks = source.stream.key, source.stream.blocks
-        reaches = stream_reaches(config, source, split.global_size, state.step) or (
-            config.wait_for_shards and follow_stream(config, target, source, split.global_size, state.step, budget))
-        if not reaches:
-            if resume_from is None:
-                raise UserError(f"the finished shards of {config.data} hold fewer examples than one step takes "
-                                f"({split.global_size * config.grad_accum}): train when more are finished")
-            logger.warning("no finished shard past step %d yet: nothing to train; run again with --resume when "
-                           "`mmvsd regenerate` has finished more", state.step)
-            return out_dir
-    if warning := text_only_warning(config, target, sum(source.is_media)):
-        logger.warning(warning)
-    split.check_fits(len(source))
+    return target
+
+
+def _reaches(config: TrainConfig, target: Target, source, split: BatchSplit, step: int, budget: Budget) -> bool:
+    """Whether the finished shards hold the step after `step` (waiting for more with wait_for_shards)."""
+    return stream_reaches(config, source, split.global_size, step) or (
+        config.wait_for_shards and follow_stream(config, target, source, split.global_size, step, budget))
+
+
+def _stream_ready(config: TrainConfig, target: Target, source, split: BatchSplit, state: TrainState, budget: Budget,
+                  resume_from: Path | None) -> bool:
+    """Record the finished shards a data_order=shards run reads (checked against its checkpoint); False when they
+    hold no step past the checkpoint (an error for a fresh run)."""
+    if resume_from is not None:
+        check_stream_resume(state.data_key, state.data_blocks, source.stream, resume_from)
+    state.data_key, state.data_blocks = source.stream.key, source.stream.blocks
+    if _reaches(config, target, source, split, state.step, budget):
+        return True
+    if resume_from is None:
+        raise UserError(f"the finished shards of {config.data} hold fewer examples than one step takes "
+                        f"({split.global_size * config.grad_accum}): train when more are finished")
+    logger.warning("no finished shard past step %d yet: nothing to train; run again with --resume when "
+                   "`mmvsd regenerate` has finished more", state.step)
+    return False
+
+
+def _prepare_run(config: TrainConfig, target: Target, source, split: BatchSplit, state: TrainState, accelerator,
+                 resume_from: Path | None) -> Run:
+    """The drafter, optimizer, schedule and objective, prepared by accelerate (restored from a checkpoint)."""
     drafter = build_drafter(config, target, source.examples)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=config.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
     steps = state.planned_steps or total_steps(config, source.stream.planned if source.stream else len(source),
@@ -355,49 +396,41 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
     model, optimizer, scheduler = accelerator.prepare(TrainingStep(drafter, target, objective), optimizer, scheduler)
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
-    run = Run(config, accelerator, model, optimizer, scheduler, source, split, mean_for(accelerator), steps)
-    if accelerator.is_main_process:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        config.save(out_dir / "train_config.yaml")
-        _trim_train_log(out_dir / TRAIN_LOG, state.step)
-    accelerator.init_trackers("train", config=_scalar_config(config))
-    bar = tqdm(total=steps, initial=state.step, desc=f"train {config.objective}", dynamic_ncols=True,
+    return Run(config, accelerator, model, optimizer, scheduler, source, split, mean_for(accelerator), steps)
+
+
+def _train_steps(run: Run, state: TrainState, budget: Budget, monitor, target: Target, out_dir: Path) -> None:
+    """Optimizer steps until the schedule, the budget or the finished shards end: logs, validation tau and
+    checkpoints along the way (the last step is always logged and saved)."""
+    config, accelerator, source = run.config, run.accelerator, run.source
+    end = run.steps
+    bar = tqdm(total=end, initial=state.step, desc=f"train {config.objective}", dynamic_ncols=True,
                disable=not (config.progress and accelerator.is_main_process))
-    with budget.listening():  # SIGTERM or a first Ctrl-C: stop after the step, as max_minutes does
-        while state.step < steps:
-            started = time.monotonic()
-            metrics = _optimizer_step(run, state)
-            seconds = time.monotonic() - started
-            state.step += 1
-            bar.update(1)
-            if reduce_count(accelerator, int(budget.spent())) or state.step == config.stop_at_step:  # as if the end
-                steps = state.step
-            elif state.step < steps and not (stream_reaches(config, source, split.global_size, state.step) or (
-                    config.wait_for_shards and follow_stream(config, target, source, split.global_size, state.step,
-                                                             budget))):
-                logger.warning("trained through the %d finished shards at step %d of %d; run again with --resume "
-                               "when `mmvsd regenerate` has finished more", len(source.stream.blocks), state.step,
-                               steps)
-                steps = state.step
-            if monitor is not None and not budget.stopped() and (state.step % config.eval_every == 0
-                                                                 or state.step == steps):
-                _log_tau(monitor, run.drafter, accelerator, out_dir, state)
-            bar.set_postfix(_postfix(metrics, monitor), refresh=False)
-            if state.step % config.log_every == 0 or state.step == steps:
-                accelerator.log({f"train/{k}": v for k, v in metrics.items()}, step=state.step)
-            if accelerator.is_main_process:
-                with open(out_dir / TRAIN_LOG, "a", encoding="utf-8") as handle:
-                    handle.write(json.dumps({"step": state.step, "seconds": round(seconds, 3), **metrics})
-                                 + "\n")
-            if source.stream is not None:
-                state.data_blocks = source.stream.blocks  # the shards it may read now (wait_for_shards adds)
-            if state.step % config.save_every == 0 or state.step == steps:
-                save_checkpoint(accelerator, out_dir, config, state)
+    while state.step < end:
+        started = time.monotonic()
+        metrics = _optimizer_step(run, state)
+        seconds = time.monotonic() - started
+        state.step += 1
+        bar.update(1)
+        if reduce_count(accelerator, int(budget.spent())) or state.step == config.stop_at_step:  # as if the end
+            end = state.step
+        elif state.step < end and not _reaches(config, target, source, run.split, state.step, budget):
+            logger.warning("trained through the %d finished shards at step %d of %d; run again with --resume "
+                           "when `mmvsd regenerate` has finished more", len(source.stream.blocks), state.step, end)
+            end = state.step
+        if monitor is not None and not budget.stopped() and (state.step % config.eval_every == 0 or state.step == end):
+            _log_tau(monitor, run.drafter, accelerator, out_dir, state)
+        bar.set_postfix(_postfix(metrics, monitor), refresh=False)
+        if state.step % config.log_every == 0 or state.step == end:
+            accelerator.log({f"train/{k}": v for k, v in metrics.items()}, step=state.step)
+        if accelerator.is_main_process:
+            with open(out_dir / TRAIN_LOG, "a", encoding="utf-8") as handle:
+                handle.write(json.dumps({"step": state.step, "seconds": round(seconds, 3), **metrics}) + "\n")
+        if source.stream is not None:
+            state.data_blocks = source.stream.blocks  # the shards it may read now (wait_for_shards adds)
+        if state.step % config.save_every == 0 or state.step == end:
+            save_checkpoint(accelerator, out_dir, config, state)
     bar.close()
-    accelerator.end_training()
-    if accelerator.is_main_process:
-        publish_drafter(run.drafter, out_dir)
-    return out_dir
 
 
 def check_dataset_exists(data: str, image_root: str = "", num_conversations: int = 0) -> dict[str, tuple]:

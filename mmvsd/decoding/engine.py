@@ -26,7 +26,9 @@ where that was measured to give the bits it gets among others, and twice (`pad_s
 fp32 with the engine and in bf16 with the engine, and keeps an engine where it is exact and no slower; the choice
 is cached per machine and target like the cost profile (`mmvsd.decoding.cost_cache`), and like it spot-checked on
 its first use in a process: the timings it rests on are taken again (a few rounds) and the choice is measured
-again, and may flip, when they are off by the profiles' rule (`cost_cache.timings_drift`).
+again, and may flip, when they are off by the profiles' rule (`cost_cache.timings_drift`), at most once every
+`REMEASURE_HOURS`: on a machine busy with another job every spot check drifts, and measuring again on every command
+stalled each of them for minutes; inside that window a drifted choice is kept, with a warning.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import functools
 import json
 import logging
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -57,6 +60,7 @@ HALF = (torch.bfloat16, torch.float16)
 QUERY_CHUNK = 256  # queries per float64 attention product (bounds a long prefill's memory)
 ENGINE_VERSION = "5"  # in cached choices and, through `Target.engine`, in cost profiles
 SPOT_REPEATS = 3  # timed rounds (after a warm-up) when a cached choice is spot-checked; the choice itself times 7
+REMEASURE_HOURS = 24.0  # a drifted choice is measured again only when its last measurement is older than this
 
 logger = logging.getLogger(__name__)
 
@@ -351,7 +355,12 @@ def choose_cpu_engine(target: Target, progress: bool = True) -> Target:
     choice, chosen = _cached_choice(key), None
     if choice is not None and not cost_cache.checked_in_this_process(path):  # once per process, as cost profiles
         chosen, why = _spot_check(target, choice)
-        if why is not None:
+        age_hours = (_now() - float((_read(key) or {}).get("measured_at", 0.0))) / 3600
+        if why is not None and age_hours < REMEASURE_HOURS:
+            logger.warning("mmvsd: the engine choice %s looks off on this machine now (%s), a busy machine's timings "
+                           "perhaps; kept, as it was measured %.1f h ago (again after %g h)", path, why, age_hours,
+                           REMEASURE_HOURS)
+        elif why is not None:
             logger.warning("mmvsd: the engine choice %s no longer fits this machine (%s); measuring again",
                            path, why)
             choice, chosen = None, None
@@ -387,8 +396,14 @@ def _measure_and_cache(target: Target, key: dict[str, str], progress: bool) -> E
                  "fp32_ms": list(choice.fp32_ms), "bf16_ms": list(choice.bf16_ms) if choice.bf16_ms else None,
                  "fp32_exact_rows": choice.fp32_exact_rows,
                  "fp32_exact_ms": list(choice.fp32_exact_ms) if choice.fp32_exact_ms else None,
-                 "pad_single": choice.pad_single, "fp32_pad_single": choice.fp32_pad_single})
+                 "pad_single": choice.pad_single, "fp32_pad_single": choice.fp32_pad_single,
+                 "measured_at": _now()})
     return choice
+
+
+def _now() -> float:
+    """Seconds since the epoch (a function, so tests can move the clock)."""
+    return time.time()
 
 
 def _spot_check(target: Target, choice: EngineChoice) -> tuple[Target | None, str | None]:
