@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 import random
 import sys
 import traceback
@@ -27,17 +26,24 @@ from mmvsd.training.unroll import shifted, unroll_draft_steps
 TINY_VOCAB = 128
 
 
-@pytest.fixture(autouse=True, scope="session")
-def profiles_in_a_temporary_folder(tmp_path_factory):
-    """Cost profiles that tests measure go to a temporary folder, never the user's mmvsd cache (a test that
-    sets MMVSD_CACHE keeps them under its own cache, as mmvsd does)."""
-    from mmvsd.decoding import cost_cache
+SHARED_CACHE = ("gguf", "targets")  # the real targets' joined GGUF files and converted weights: slow to make
 
-    folder = tmp_path_factory.mktemp("profiles")
-    in_the_cache = cost_cache.profiles_dir
+
+@pytest.fixture(autouse=True, scope="session")
+def cache_in_a_temporary_folder(tmp_path_factory):
+    """mmvsd's cache (cost and engine profiles, greedy continuations, regenerations) is a temporary folder for the
+    session and the commands its tests start (MMVSD_CACHE), never the user's; only the real targets' converted
+    weights (SHARED_CACHE) are the user's, linked, so that no session converts SmolLM2 or Qwen again. A test that
+    sets MMVSD_CACHE itself keeps everything under its own folder."""
+    from mmvsd.files import cache_root
+
+    users, folder = cache_root(), tmp_path_factory.mktemp("mmvsd-cache")
+    for name in SHARED_CACHE:
+        (users / name).mkdir(parents=True, exist_ok=True)
+        (folder / name).symlink_to(users / name, target_is_directory=True)
     patch = pytest.MonkeyPatch()
-    patch.setattr(cost_cache, "profiles_dir", lambda: in_the_cache() if os.environ.get("MMVSD_CACHE") else folder)
-    yield
+    patch.setenv("MMVSD_CACHE", str(folder))
+    yield folder
     patch.undo()
 
 

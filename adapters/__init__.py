@@ -14,6 +14,7 @@ from mmvsd.adapter_base import ModalityAdapter
 from mmvsd.adapters.llava import LlavaAdapter
 from mmvsd.adapters.text import TextAdapter
 from mmvsd.errors import UserError
+from mmvsd.plugins import load_plugins
 
 ENTRY_POINT_GROUP = "mmvsd.adapters"
 
@@ -58,17 +59,25 @@ def _load_entry_points() -> None:
 
 
 def registered_adapters() -> dict[str, str]:
-    """Every adapter name with where it came from (built-ins, then entry points)."""
+    """Every adapter name with where it came from (built-ins, then entry points; a `mmvsd.plugins` module may
+    register one too)."""
+    load_plugins()
     _load_entry_points()
     return dict(sorted(ADAPTER_SOURCES.items()))
 
 
 def get_adapter(name: str) -> ModalityAdapter:
     """The adapter registered as `name` (error lists the registered ones)."""
-    registered_adapters()
-    if name not in ADAPTERS:
-        raise UserError(f"no modality adapter {name!r}; registered: {', '.join(sorted(ADAPTERS))}")
+    check_adapter(name)
     return ADAPTERS[name]()
+
+
+def check_adapter(name: str) -> None:
+    """UserError when `--adapter name` is not registered ('': chosen once the target is known). Cheap: commands call
+    it before a target loads."""
+    registered_adapters()
+    if name and name not in ADAPTERS:
+        raise UserError(f"no modality adapter {name!r}; registered: {', '.join(sorted(ADAPTERS))}")
 
 
 def adapter_for(target, modality: str) -> ModalityAdapter:

@@ -13,6 +13,7 @@ from mmvsd.drafters.draft_model import parse_draft_spec
 from mmvsd.errors import UserError
 from mmvsd.files import atomic_file
 from mmvsd.layouts.export import export_drafter
+from mmvsd.layouts.registry import layout
 from mmvsd.shipped import resolve_drafter
 from mmvsd.target_loader import builtin_targets, target_gguf_file
 
@@ -29,6 +30,7 @@ def run_export(args: argparse.Namespace) -> None:
 def export_spec(spec: str, fmt: str, out: str | Path, target_name: str | None = None, *, force: bool = False,
                 out_type: str | None = None) -> Path:
     """Export the drafter `spec` names for `target_name` in layout `fmt` to `out`; returns what was written."""
+    layout(fmt)  # an unknown format is an error before anything is read
     model = draft_model_name(spec, target_name)
     if model is not None:
         if fmt != GGUF:

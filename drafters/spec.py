@@ -17,7 +17,8 @@ from mmvsd.drafters.draft_model import load_draft_model, runnable_default
 from mmvsd.drafters.hybrid import with_ngram
 from mmvsd.drafters.ngram import NgramDrafter, parse_ngram_spec
 from mmvsd.errors import UserError
-from mmvsd.shipped import resolve_drafter
+from mmvsd.plugins import load_plugins
+from mmvsd.shipped import resolve_drafter, shipped_drafter
 from mmvsd.target_loader import builtin_targets
 
 
@@ -42,7 +43,9 @@ def register_proposer_spec(kind: ProposerSpec) -> ProposerSpec:
 
 
 def proposer_spec(spec: str) -> ProposerSpec | None:
-    """The registered non-neural kind `spec` names (by the text before its first ':'), None for a neural drafter."""
+    """The registered non-neural kind `spec` names (by the text before its first ':'), the plugins' included; None
+    for a neural drafter."""
+    load_plugins()
     return PROPOSER_SPECS.get(spec.partition(":")[0])
 
 
@@ -51,10 +54,9 @@ def drafter_from_spec(spec: str, target, seed: int = 0, ngram: bool | None = Non
     `neural_drafter_from_spec`; n-gram branches join a neural drafter's or a draft model's trees unless `ngram`
     is False (None: on). Returns None, a `Drafter`, a `DraftModel`, an `NgramDrafter` or a `HybridDrafter`."""
     check_ngram_options(spec, ngram)
-    builtin = builtin_targets().get(target.name)
-    if spec == "default" and builtin is not None and builtin.default_drafter:
-        spec = builtin.default_drafter  # e.g. qwen2.5-coder-1.5b drafts with qwen2.5-coder-0.5b on int8 weights
-        default_kind = proposer_spec(spec)
+    builtin_default = target_default(spec, target.name)
+    if builtin_default != spec:  # e.g. qwen2.5-coder-1.5b drafts with qwen2.5-coder-0.5b on int8 weights
+        spec, default_kind = builtin_default, proposer_spec(builtin_default)
         if default_kind is not None and default_kind.as_default is not None:
             spec = default_kind.as_default(spec, target)
     kind = proposer_spec(spec)
@@ -62,6 +64,27 @@ def drafter_from_spec(spec: str, target, seed: int = 0, ngram: bool | None = Non
     if drafter is None or ngram is False or (kind is not None and not kind.ngram_branches):
         return drafter
     return with_ngram(drafter)
+
+
+def target_default(spec: str, target_name: str) -> str:
+    """`spec`, or for `default` the built-in target's default drafter spec when it names one (a draft model)."""
+    builtin = builtin_targets().get(target_name)
+    return builtin.default_drafter if spec == "default" and builtin is not None and builtin.default_drafter else spec
+
+
+def check_drafter_spec(spec: str, target_name: str, ngram: bool | None = None) -> None:
+    """UserError for a `--drafter` spec that names nothing, found without loading anything: a kind's options or
+    `--ngram`, a drafter folder that is not there, a shipped drafter the target (as named) does not have."""
+    spec = target_default(spec, target_name)
+    check_ngram_options(spec, ngram)
+    if proposer_spec(spec) is not None or spec == "random":
+        return
+    path = Path(spec).expanduser()
+    if "/" in spec or path.exists():
+        if not path.is_dir():
+            raise UserError(f"--drafter {spec}: no such drafter folder")
+        return
+    shipped_drafter(spec, target_name)
 
 
 def check_ngram_options(spec: str, ngram: bool | None) -> None:

@@ -53,6 +53,20 @@ class BenchConfig:
         for spec in self.trees:
             tree_parts(spec)
         resolve_suite(self.suite)
+        self.check_names()
+
+    def check_names(self) -> None:
+        """UserError for a drafter, an adapter or an engine's file that names nothing (before a target loads)."""
+        from mmvsd.adapters import check_adapter  # torch: a run's check, not the parser's
+        from mmvsd.drafters.spec import check_drafter_spec  # likewise
+
+        check_adapter(self.adapter)
+        for spec in self.drafters:
+            check_drafter_spec(spec, self.target_name())
+        if self.engine != "mmvsd":
+            from mmvsd.eval.llamacpp_bench import check_llamacpp_config  # the llama.cpp engine: when chosen
+
+            check_llamacpp_config(self)
 
     def target_name(self) -> str:
         """The target to load: as given, else smol-llava for suites with images and smollm2-135m for text."""

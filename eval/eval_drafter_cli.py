@@ -40,20 +40,33 @@ def add_eval_drafter_command(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run_eval_drafter)
 
 
+def check_eval_drafter_args(args: argparse.Namespace) -> tuple[str, str]:
+    """The tree spec and the drafter spec, once every input is checked that can be without a target (UserError)."""
+    from mmvsd.adapters import check_adapter  # CLI start-up: loaded per command
+    from mmvsd.drafters.spec import check_drafter_spec  # CLI start-up: loaded per command
+    from mmvsd.prompts import check_eval_prompts  # CLI start-up: loaded per command
+    from mmvsd.shipped import implicit_drafter_spec  # CLI start-up: loaded per command
+
+    tree = tree_spec_from_args(args)
+    spec = args.drafter or implicit_drafter_spec(args.target)
+    if spec == "none":
+        raise UserError("--drafter none drafts nothing: there is no acceptance to measure")
+    check_drafter_spec(spec, args.target, args.ngram)
+    check_eval_prompts(args.prompt_file, args.limit)
+    check_adapter(args.adapter)
+    return tree, spec
+
+
 def run_eval_drafter(args: argparse.Namespace) -> None:
     """`mmvsd eval-drafter`: greedy continuations (cached), then the replayed acceptance report."""
     from mmvsd.decoding.decode import make_shape  # CLI start-up: loaded per command
     from mmvsd.decoding.tree import TreeShape  # CLI start-up: loaded per command
     from mmvsd.drafters.spec import drafter_from_spec  # CLI start-up: loaded per command
     from mmvsd.prompts import load_eval_prompts  # CLI start-up: loaded per command
-    from mmvsd.shipped import implicit_drafter_spec  # CLI start-up: loaded per command
     from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
     from mmvsd.training import acceptance  # CLI start-up: loaded per command
 
-    tree = tree_spec_from_args(args)
-    spec = args.drafter or implicit_drafter_spec(args.target)
-    if spec == "none":
-        raise UserError("--drafter none drafts nothing: there is no acceptance to measure")
+    tree, spec = check_eval_drafter_args(args)
     target = load_target(args.target, *placement(args.device, args.dtype))
     drafter = drafter_from_spec(spec, target, args.seed, ngram=args.ngram)
     prompts = load_eval_prompts(target, args.prompt_file, args.limit, args.adapter)

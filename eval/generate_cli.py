@@ -48,13 +48,14 @@ def run_generate(args: argparse.Namespace) -> None:
     """`mmvsd generate`: load target and drafter, decode in batches, print and save the results."""
     import torch  # CLI start-up: loaded per command
 
+    from mmvsd.adapters import check_adapter  # CLI start-up: loaded per command
     from mmvsd.decoding.decode import (  # CLI start-up: loaded per command
         DecodeConfig,
         speculative_generate,
         vanilla_generate,
     )
     from mmvsd.decoding.shape_policy import AcceptanceStats  # CLI start-up: loaded per command
-    from mmvsd.drafters.spec import check_ngram_options, drafter_from_spec  # CLI start-up: loaded per command
+    from mmvsd.drafters.spec import check_drafter_spec, drafter_from_spec  # CLI start-up: loaded per command
     from mmvsd.shipped import implicit_drafter_spec  # CLI start-up: loaded per command
     from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
 
@@ -67,7 +68,8 @@ def run_generate(args: argparse.Namespace) -> None:
     config = DecodeConfig(args.max_new_tokens, args.temperature, seed=args.seed)  # checked before anything loads
     tree = tree_spec_from_args(args)  # likewise; resolved for the prompts' kind once they are encoded
     args.drafter = args.drafter or implicit_drafter_spec(args.target)
-    check_ngram_options(args.drafter, args.ngram)
+    check_drafter_spec(args.drafter, args.target, args.ngram)
+    check_adapter(args.adapter or "")
     target = load_target(args.target, *placement(args.device, args.dtype))
     drafter = drafter_from_spec(args.drafter, target, args.seed, ngram=args.ngram)
     warning = half_precision_warning(target) if drafter is not None else None

@@ -82,11 +82,12 @@ def run_profile(args: argparse.Namespace) -> None:
     from mmvsd.decoding.cost_plot import plot_cost_table  # CLI start-up: loaded per command
     from mmvsd.decoding.costs import format_cost_table  # CLI start-up: loaded per command
     from mmvsd.decoding.fingerprints import cost_key  # CLI start-up: loaded per command
-    from mmvsd.drafters.spec import drafter_from_spec  # CLI start-up: loaded per command
+    from mmvsd.drafters.spec import check_drafter_spec, drafter_from_spec  # CLI start-up: loaded per command
     from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
 
     if args.plot and not args.plot.lower().endswith(".png"):
         raise UserError(f"--plot must name a .png file, got {args.plot!r}")
+    check_drafter_spec(args.drafter, args.target, args.ngram)
     batch_sizes = tuple(sorted(set(args.batch_size or [1])))
     target = load_target(args.target, *placement(args.device, args.dtype))
     drafter = drafter_from_spec(args.drafter, target, ngram=args.ngram)

@@ -55,10 +55,7 @@ def chain_args(chain: str) -> list[str]:
 
 def llamacpp_methods(config, target: Target, stack: ExitStack) -> list[Method]:
     """Start one llama-server per row (stopped when `stack` closes) and return the rows as bench methods."""
-    unknown = [m for m in config.methods if m not in METHODS]
-    if unknown:
-        raise UserError(f"--engine {ENGINE} runs {', '.join(METHODS)}; not {', '.join(unknown)} (transformers' "
-                        "methods run with --engine mmvsd)")
+    check_llamacpp_config(config)
     model = target_file(config.target_name())
     rows: list[tuple[str, list[str]]] = []
     for name in config.methods:
@@ -75,6 +72,24 @@ def llamacpp_methods(config, target: Target, stack: ExitStack) -> list[Method]:
         server = stack.enter_context(LlamaServer(model, args))
         methods.append(Method(label, ServerGenerate(server), False, batch_one=True, media_refusal=MEDIA_NOTE))
     return methods
+
+
+def check_llamacpp_config(config) -> None:
+    """UserError for rows llama.cpp cannot run (methods, `--chain`, GGUF files, draft models planned by `auto`),
+    found before a target loads or a server starts."""
+    unknown = [m for m in config.methods if m not in METHODS]
+    if unknown:
+        raise UserError(f"--engine {ENGINE} runs {', '.join(METHODS)}; not {', '.join(unknown)} (transformers' "
+                        "methods run with --engine mmvsd)")
+    if config.chain != AUTO:
+        chain_args(config.chain)
+    target_file(config.target_name())
+    if "assisted" in config.methods:
+        target_file(config.assistant)
+    for spec in (config.drafters or ["default"]) if config.chain == AUTO else []:
+        if draft_model_name(spec, config.target_name()) is not None:
+            raise UserError(f"--chain auto plans neural drafters' chains (mmvsd's exact replay does not run a draft "
+                            f"model); give --drafter {spec} a --chain N/PMIN, or llama")
 
 
 def target_file(spec: str) -> Path:
@@ -98,9 +113,6 @@ def drafter_rows(config, target: Target) -> list[tuple[str, list[str]]]:
     for spec in config.drafters or ["default"]:
         label = Path(spec).name if Path(spec).expanduser().is_dir() else spec
         model = draft_model_name(spec, config.target_name())
-        if model is not None and config.chain == AUTO:
-            raise UserError(f"--chain auto plans neural drafters' chains (mmvsd's exact replay does not run a draft "
-                            f"model); give --drafter {spec} a --chain N/PMIN, or llama")
         if model is not None:
             draft = ["-md", str(target_file(model)), "--spec-type", "draft-simple"]
         else:

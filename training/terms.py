@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mmvsd.errors import UserError
+from mmvsd.plugins import load_plugins
 
 if TYPE_CHECKING:
     from mmvsd.training.objectives import ObjectiveConfig
@@ -60,6 +61,12 @@ def register_term(term: Term) -> Term:
     return term
 
 
+def registered_terms() -> dict[str, Term]:
+    """The registry, once the plugins (`mmvsd.plugins`) have added their terms: what every lookup reads."""
+    load_plugins()
+    return TERMS
+
+
 def unregister_term(name: str) -> None:
     """Remove a registered term (tests that register a toy one)."""
     del TERMS[name]
@@ -67,12 +74,12 @@ def unregister_term(name: str) -> None:
 
 def objective_terms(objective: str) -> list[Term]:
     """The terms of `objective` in the order they are computed (UserError on an unknown or repeated term)."""
-    names = objective.split("+")
-    unknown = [name for name in names if name not in TERMS]
+    names, terms = objective.split("+"), registered_terms()
+    unknown = [name for name in names if name not in terms]
     if unknown or len(set(names)) != len(names):
         raise UserError(f"unknown objective {objective!r}: write TERM or TERM+TERM+... (each once) over the terms "
-                        f"{', '.join(TERMS)}; default {DEFAULT_OBJECTIVE} (docs/training.md)")
-    return [TERMS[name] for name in names]
+                        f"{', '.join(terms)}; default {DEFAULT_OBJECTIVE} (docs/training.md)")
+    return [terms[name] for name in names]
 
 
 def term_weights(objective: str, config: ObjectiveConfig) -> dict[str, float]:
@@ -118,19 +125,19 @@ def make_objective(objective: str, config: ObjectiveConfig) -> Objective:
 
 def progress_labels() -> dict[str, str]:
     """{metric key: progress-bar label}: the loss, then what each registered term shows."""
-    return {"loss": "loss", **{key: label for term in TERMS.values() for key, label in term.progress}}
+    return {"loss": "loss", **{key: label for term in registered_terms().values() for key, label in term.progress}}
 
 
 def objective_help() -> str:
     """`mmvsd train --objective`'s help."""
-    return (f"{DEFAULT_OBJECTIVE} (default), or TERM or TERM+TERM over the terms {', '.join(TERMS)} "
+    return (f"{DEFAULT_OBJECTIVE} (default), or TERM or TERM+TERM over the terms {', '.join(registered_terms())} "
             f"(docs/training.md, Objectives)")
 
 
 def objectives_markdown() -> str:
     """The table of terms docs/training.md shows (a test keeps the page equal to it)."""
     rows = ["| term | computes | weight in a mixture | logs | cost |", "|---|---|---|---|---|"]
-    for term in TERMS.values():
+    for term in registered_terms().values():
         weight = f"`loss.{term.weight_key}`" if term.weight_key else f"{term.weight:g}"
         logs = ", ".join(f"`{key}`" for key in term.metrics)
         rows.append(f"| `{term.name}` | {term.summary} | {weight} | {logs} | {term.cost} |")

@@ -11,7 +11,8 @@
   no drafter here trained on (they train on ShareGPT).
 
 One JSON object per line with a `prompt` (what `mmvsd eval-drafter --prompt-file` and the trainer's
-`eval_prompts` read), its `source` and its `domain` (chat, math, code: the groups reports give figures for). The file is a pure function of the installed data and these options.
+`eval_prompts` read), its `source` and its `domain` (chat, math, code: the groups reports give figures for). The
+file is a pure function of the installed data and these options.
 """
 
 from __future__ import annotations

@@ -1,0 +1,74 @@
+"""Cheap checks first: every command checks the files, names and options a user typed before it loads a target or
+measures this machine, so a mistake ends at once in one message and exit 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_cli
+from mmvsd import target_loader
+
+MISSING = "no-such-prompts.jsonl"
+SMOL = ["--target", "smollm2-135m"]
+
+# (command line, words of its one error message); each is wrong in one input only
+MISTAKES = {
+    "eval-drafter: missing prompt file": (["eval-drafter", *SMOL, "--drafter", "default", "--prompt-file", MISSING],
+                                          "prompt file not found"),
+    "eval-drafter: missing drafter folder": (["eval-drafter", *SMOL, "--drafter", "./no/such/drafter",
+                                              "--prompt-file", "gsm8k"], "no such drafter folder"),
+    "eval-drafter: unknown adapter": (["eval-drafter", *SMOL, "--drafter", "ngram", "--prompt-file", "gsm8k",
+                                       "--adapter", "nope"], "no modality adapter 'nope'"),
+    "eval-drafter: bad tree": (["eval-drafter", *SMOL, "--drafter", "ngram", "--prompt-file", "gsm8k", "--tree",
+                                "6/3"], "expected auto, paper or BUDGET/DEPTH/TOPK"),
+    "eval-drafter: bad limit": (["eval-drafter", *SMOL, "--drafter", "ngram", "--prompt-file", "gsm8k", "--limit",
+                                 "-1"], "--limit must be >= 0"),
+    "generate: missing prompt file": (["generate", *SMOL, "--drafter", "ngram", "--prompt-file", MISSING],
+                                      "prompt file not found"),
+    "generate: unknown shipped drafter": (["generate", *SMOL, "--drafter", "no-such-drafter", "--prompt", "hi"],
+                                          "neither a drafter folder nor a shipped drafter"),
+    "generate: bad n-gram option": (["generate", *SMOL, "--drafter", "ngram:max_n=x", "--prompt", "hi"], "max_n"),
+    "generate: unknown adapter": (["generate", *SMOL, "--drafter", "none", "--prompt", "hi", "--adapter", "nope"],
+                                  "no modality adapter 'nope'"),
+    "bench: unknown suite": (["bench", *SMOL, "--suite", "nosuite"], "unknown suite or benchmark 'nosuite'"),
+    "bench: missing drafter folder": (["bench", *SMOL, "--suite", "gsm8k", "--drafter", "./no/such/drafter"],
+                                      "no such drafter folder"),
+    "bench: unknown adapter": (["bench", *SMOL, "--suite", "gsm8k", "--adapter", "nope"], "no modality adapter"),
+    "bench: bad llama.cpp chain": (["bench", *SMOL, "--suite", "gsm8k", "--engine", "llama.cpp", "--chain", "x/y",
+                                    "--methods", "vanilla"], "--chain 'x/y'"),
+    "train: missing data file": (["train", *SMOL, "--data", "no-such-chats.json", "--output", "{tmp}/out"],
+                                 "dataset file not found"),
+    "train: unknown objective": (["train", *SMOL, "--objective", "ce+nope", "--output", "{tmp}/out"],
+                                 "unknown objective 'ce+nope'"),
+    "train: unknown adapter": (["train", *SMOL, "--output", "{tmp}/out", "adapter=nope"], "no modality adapter"),
+    "train: missing tau prompts": (["train", *SMOL, "--output", "{tmp}/out", "eval_every=1",
+                                    f"eval_prompts={MISSING}"], "prompt file not found"),
+    "profile: missing drafter folder": (["profile", *SMOL, "--drafter", "./no/such/drafter"],
+                                        "no such drafter folder"),
+    "export: unknown format": (["export", "--drafter", "default", *SMOL, "--format", "nope", "{tmp}/out"],
+                               "unknown checkpoint layout 'nope'"),
+    "draft-vocab: missing data file": (["draft-vocab", *SMOL, "--drafter", "random", "--data", "no-such.json",
+                                        "--out", "{tmp}/out"], "dataset file not found"),
+    "draft-vocab: not a neural drafter": (["draft-vocab", *SMOL, "--drafter", "ngram", "--data", "sharegpt",
+                                           "--out", "{tmp}/out"], "not a neural drafter"),
+}
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Loading a target (and so measuring this machine with it) fails the test."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a target loaded before the command checked its inputs")
+
+    monkeypatch.setattr(target_loader, "resolve_target_folder", refuse)
+    monkeypatch.setattr(target_loader, "load_target_folder", refuse)
+
+
+@pytest.mark.parametrize("case", list(MISTAKES))
+def test_a_mistake_ends_in_one_message_before_anything_loads(case, nothing_loads, tmp_path, capsys):
+    argv, words = MISTAKES[case]
+    code, _, err = run_cli(capsys, *[arg.format(tmp=tmp_path) for arg in argv])
+    assert code == 2, err
+    assert err.startswith("mmvsd: error: ") and words in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
