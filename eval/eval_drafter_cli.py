@@ -62,7 +62,7 @@ def run_eval_drafter(args: argparse.Namespace) -> None:
     from mmvsd.decoding.decode import make_shape  # CLI start-up: loaded per command
     from mmvsd.decoding.tree import TreeShape  # CLI start-up: loaded per command
     from mmvsd.drafters.spec import drafter_from_spec  # CLI start-up: loaded per command
-    from mmvsd.prompts import load_eval_prompts  # CLI start-up: loaded per command
+    from mmvsd.prompts import load_eval_prompts, prompt_domains  # CLI start-up: loaded per command
     from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
     from mmvsd.training import acceptance  # CLI start-up: loaded per command
 
@@ -80,8 +80,11 @@ def run_eval_drafter(args: argparse.Namespace) -> None:
     learns = drafter.proposes_from_context or not isinstance(shape, TreeShape)  # statistics shared by a batch
     batch_size = args.batch_size or (1 if learns else 8)
     report = acceptance.evaluate_acceptance(target, drafter, prompts, continuations, shape, batch_size, progress=True)
-    print(acceptance.format_report(report))
+    domains = prompt_domains(args.prompt_file, args.limit)
+    domains = domains if any(domains) else []  # figures per domain where the prompt file names them
+    print(acceptance.format_report(report, domains))
     if args.json:
         with atomic_file(args.json) as handle:
             json.dump({"target": args.target, "drafter": spec, "prompt_file": args.prompt_file, "limit": args.limit,
-                       "max_new_tokens": args.max_new_tokens, **report.to_dict()}, handle, indent=2)
+                       "max_new_tokens": args.max_new_tokens, **report.to_dict(),
+                       **({"by_domain": report.by_group(domains)} if domains else {})}, handle, indent=2)

@@ -48,6 +48,16 @@ def read_prompt_file(path: str | Path) -> list[str]:
     return prompts
 
 
+def prompt_domains(spec: str, limit: int = 0) -> list[str]:
+    """Each prompt's `domain` field in a JSONL prompt file (chat, math, code; "" where a line has none), for figures
+    per domain; [] for a named prompt set (one benchmark: one group)."""
+    if not Path(spec).is_file():
+        return []
+    records = [json.loads(line) for line in jsonl_lines(Path(spec).read_text(encoding="utf-8")) if line.strip()]
+    domains = [str(record.get("domain", "")) if isinstance(record, dict) else "" for record in records]
+    return domains[:limit] if limit > 0 else domains
+
+
 def register_prompt_set(name: str, loader: PromptSetLoader) -> None:
     """Make a prompt set loadable by `name` (`--prompt-file NAME`, `eval_prompts=NAME`)."""
     PROMPT_SETS[name] = loader

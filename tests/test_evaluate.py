@@ -101,6 +101,24 @@ def test_acceptance_by_depth_and_report_dict(tiny_target, fitted_drafter):
     assert "tau" in evaluate.format_report(report)
 
 
+def test_figures_per_group_of_prompts_are_the_whole_reports_figures_on_those_prompts(tiny_target, fitted_drafter):
+    continuations = greedy_continuations(tiny_target, PROMPTS, MAX_NEW)
+    shape = TreeShape(4, 3, 1)  # the depth-3 chain
+    report = evaluate_acceptance(tiny_target, fitted_drafter, PROMPTS, continuations, shape)
+    groups = ["chat" if i % 2 else "math" for i in range(len(PROMPTS))]
+    figures = report.by_group(groups)
+    for name, figure in figures.items():
+        rows = [i for i, group in enumerate(groups) if group == name]
+        alone = evaluate_acceptance(tiny_target, fitted_drafter, [PROMPTS[i] for i in rows],
+                                    [continuations[i] for i in rows], shape)
+        counts = alone.accepted_counts
+        assert figure["first_token"] == pytest.approx(alone.acceptance_by_depth[0])
+        assert figure["accepted_per_step"] == pytest.approx(sum(k * n for k, n in enumerate(counts)) / sum(counts))
+        assert figure["tau"] == pytest.approx(alone.tau) and figure["num_prompts"] == len(rows)
+    text = evaluate.format_report(report, groups)
+    assert "chat: " in text and "math: " in text and "chat: " not in evaluate.format_report(report)
+
+
 def test_near_ties_on_the_greedy_path_are_reported():
     model = make_tiny_llama(seed=0)
     target = Target(model, None, "tiny-tie")
@@ -214,6 +232,19 @@ def test_eval_drafter_cli_matches_generate(tiny_dir, tmp_path, capsys, monkeypat
     assert [p["target_forwards"] for p in replay["prompts"]] == [r["target_forwards"] for r in decoded]
     assert [p["new_tokens"] for p in replay["prompts"]] == [r["new_tokens"] for r in decoded]
     assert replay["tree"] == "12/4/3" and replay["num_ties"] == 0
+
+
+def test_eval_drafter_gives_figures_per_domain_of_the_prompt_file(tiny_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MMVSD_CACHE", str(tmp_path / "cache"))
+    rows = [("w1 w2 w3", "chat"), ("w9 w8", "math"), ("w40 w41 w42 w43", "chat")]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": text, "domain": domain}) + "\n" for text, domain in rows))
+    code, out, err = run_cli(capsys, "eval-drafter", "--target", str(tiny_dir), "--drafter", "random", "--prompt-file",
+                             str(prompts), "--max-new-tokens", "16", "--tree", "4/3/1", "--json", str(tmp_path / "e.json"))
+    assert code == 0, err
+    report = json.loads((tmp_path / "e.json").read_text())
+    assert {name: figures["num_prompts"] for name, figures in report["by_domain"].items()} == {"chat": 2, "math": 1}
+    assert "  chat: 2 prompts, first token accepted" in out and "  math: 1 prompts" in out
 
 
 def test_eval_drafter_reads_builtin_benchmarks(tiny_dir, tmp_path, capsys, monkeypatch):

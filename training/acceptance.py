@@ -53,6 +53,8 @@ class PromptAcceptance:
     new_tokens: int
     target_forwards: int
     accept_lengths: list[int] = field(default_factory=list)  # tokens per target forward (prefill: 1)
+    full_steps: list[int] = field(default_factory=list)  # draft tokens accepted per step the continuation's end
+    # did not cut short (the steps `AcceptanceReport.accepted_counts` counts)
 
     @property
     def tau(self) -> float:
@@ -111,6 +113,20 @@ class AcceptanceReport:
         """[depth] share of tree steps that accepted at least d draft tokens, d = 1..depth."""
         total = max(sum(self.accepted_counts), 1)
         return [sum(self.accepted_counts[d:]) / total for d in range(1, len(self.accepted_counts))]
+
+    def by_group(self, groups: list[str]) -> dict[str, dict]:
+        """Figures per group of prompts (`groups[i]`: prompt i's, e.g. its domain chat, math or code), as public
+        heads report them: tau, the share of full steps that accepted at least one draft token (`first_token`), and
+        draft tokens accepted per full step (`accepted_per_step`: the depth-3 chain's figure under `--tree 4/3/1`)."""
+        figures = {}
+        for name in dict.fromkeys(groups):
+            rows = [p for p, group in zip(self.prompts, groups) if group == name]
+            steps = [accepted for p in rows for accepted in p.full_steps]
+            figures[name] = {"num_prompts": len(rows), "num_steps": len(steps),
+                             "tau": sum(p.new_tokens for p in rows) / max(sum(p.target_forwards for p in rows), 1),
+                             "first_token": sum(a > 0 for a in steps) / max(len(steps), 1),
+                             "accepted_per_step": sum(steps) / max(len(steps), 1)}
+        return figures
 
     def to_dict(self) -> dict:
         return {
@@ -446,6 +462,7 @@ def _record_step(results, live: Tensor, root_index: Tensor, num_accepted: Tensor
         result.accept_lengths.append(accepted + 1)
         if start + accepted + 1 < int(cont_lens[row]):  # a full step: the tree could have accepted deeper
             accepted_counts[accepted] += 1
+            result.full_steps.append(accepted)
 
 
 # ----------------------------------------------------------------------------- command line helpers
@@ -455,9 +472,11 @@ def shape_text(shape: ShapePlan) -> str:
     return f"{shape.budget}/{shape.depth}/{shape.topk}" if isinstance(shape, TreeShape) else "auto"
 
 
-def format_report(report: AcceptanceReport) -> str:
-    """A few human-readable lines: tau, acceptance by depth, ties and the time taken."""
+def format_report(report: AcceptanceReport, groups: list[str] | None = None) -> str:
+    """A few human-readable lines: tau, acceptance by depth (and per group of prompts, `AcceptanceReport.by_group`),
+    ties and the time taken."""
     by_depth = " ".join(f"{rate:.2f}" for rate in report.acceptance_by_depth)
+    by_group = report.by_group(groups) if groups and len(set(groups)) > 1 else {}
     taus = [p.tau for p in report.prompts]
     lines = [
         (f"tau {report.tau:.3f} (mean per prompt {report.mean_tau:.3f}, min {min(taus):.2f}, max {max(taus):.2f}) | "
@@ -465,6 +484,8 @@ def format_report(report: AcceptanceReport) -> str:
          f"{sum(p.new_tokens for p in report.prompts)} tokens, {sum(p.target_forwards for p in report.prompts)} "
          f"target forwards, {report.mean_nodes_per_step:.1f} nodes per step"),
         f"accepted >= d draft tokens, d = 1..{len(report.acceptance_by_depth)}: {by_depth}",
+        *[f"  {name}: {g['num_prompts']} prompts, first token accepted {g['first_token']:.3f}, draft tokens accepted "
+          f"per step {g['accepted_per_step']:.3f}, tau {g['tau']:.3f}" for name, g in by_group.items()],
         *([f"the draft vocabulary holds {report.draft_vocab_coverage:.1%} of the continuation's tokens (after "
            "the first): no tree can accept the others"] if report.draft_vocab_coverage is not None else []),
         f"numerical ties (top-2 logit margin < {report.tie_epsilon:g}) on the greedy path: {len(report.ties)}"
