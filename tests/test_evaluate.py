@@ -293,7 +293,18 @@ def test_trainer_logs_validation_tau(tiny_dir, tmp_path, capsys, monkeypatch):
                for line in lines)
     code = main(["train", "--target", str(tiny_dir), "--data", str(data), "--output", str(tmp_path / "o2"), *TINY,
                  "max_steps=1", "eval_every=1", "eval_tree=60/7"])
-    assert code == 2 and "eval_tree" in capsys.readouterr().err
+    assert code == 2 and "eval_tree '60/7': expected auto, paper or BUDGET/DEPTH/TOPK" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tree, shape", [("paper", "60/7/10"), ("0/3/0", "60/3/10"), ("8/3/2", "8/3/2")])
+def test_the_tau_monitor_takes_the_one_tree_grammar(chat_target, tree, shape, tmp_path, monkeypatch):
+    from mmvsd.drafters.eagle3 import Eagle3Drafter
+
+    monkeypatch.setenv("MMVSD_CACHE", str(tmp_path / "cache"))
+    prompts = write_prompts(tmp_path / "val.jsonl", ["w1 w2 w3", "w7 w8"])
+    monitor = evaluate.TauMonitor(chat_target, str(prompts), 0, 8, tree)
+    report = monitor(Eagle3Drafter.from_target(chat_target, seed=0))
+    assert evaluate.shape_text(report.shape) == shape and len(report.prompts) == 2
 
 
 def test_evaluator_replays_the_auto_plan(tiny_target, fitted_drafter):

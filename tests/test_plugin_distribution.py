@@ -95,8 +95,9 @@ def venv(tmp_path_factory) -> Path:
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(root / "venv")],
                    check=True)
     python = root / "venv" / "bin" / "python"
-    installed = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--quiet",
-                                str(source)], capture_output=True, text=True, check=False, cwd=root)
+    installed = subprocess.run([str(python), "-m", "pip", "install", "--no-deps", "--no-build-isolation",
+                                "--no-cache-dir", "--quiet", str(source)],  # no wheel left in the user's pip cache
+                               capture_output=True, text=True, check=False, cwd=root)
     assert installed.returncode == 0, installed.stderr
     return python
 

@@ -28,7 +28,14 @@ from torch import Tensor
 from tqdm import tqdm
 
 from mmvsd.adapter_base import padded_embeds, span_ids
-from mmvsd.decoding.decode import DecodeConfig, PromptLike, as_prompts, generate_each, vanilla_generate
+from mmvsd.decoding.decode import (
+    DecodeConfig,
+    PromptLike,
+    as_prompts,
+    generate_each,
+    make_shape,
+    vanilla_generate,
+)
 from mmvsd.decoding.draft_session import DraftSession
 from mmvsd.decoding.proposer import Proposer
 from mmvsd.decoding.tree import DraftTree, ShapePlan, TreeShape, build_dynamic_tree
@@ -42,6 +49,7 @@ from mmvsd.target import Target
 from mmvsd.training.features import TokenBatch, capture_features
 from mmvsd.training.objectives import masked_acceptance, step_distributions
 from mmvsd.training.unroll import shifted
+from mmvsd.tree_options import tree_for_prompts
 
 TIE_EPSILON = 1e-4  # a target choice whose top-2 logits are closer than this may flip between kernels
 
@@ -497,16 +505,19 @@ def format_report(report: AcceptanceReport, groups: list[str] | None = None) -> 
 
 
 class TauMonitor:
-    """Validation tau while training: held-out prompts, their cached greedy continuations, one shape."""
+    """Validation tau while training: held-out prompts, their cached greedy continuations, one `--tree` spec (a
+    fixed shape, checked now; or "auto", planned afresh for each evaluation from this machine's costs, one prompt
+    at a time as `eval-drafter` replays it)."""
 
-    def __init__(self, target: Target, prompt_spec: str, limit: int, max_new_tokens: int, shape: TreeShape,
+    def __init__(self, target: Target, prompt_spec: str, limit: int, max_new_tokens: int, tree: str,
                  batch_size: int = 8) -> None:
         self.target = target
         self.prompts = load_eval_prompts(target, prompt_spec, limit)
-        check_eval_prompts(target, self.prompts, max_new_tokens, shape)
+        self.tree = tree_for_prompts(tree, self.prompts)  # a TreeShape, or "auto"
+        if isinstance(self.tree, TreeShape):
+            check_eval_prompts(target, self.prompts, max_new_tokens, self.tree)
         self.max_new_tokens = max_new_tokens
-        self.shape = shape
-        self.batch_size = batch_size
+        self.batch_size = batch_size if isinstance(self.tree, TreeShape) else 1
         self.continuations: list[list[int]] | None = None  # generated (or read from the cache) on first use
         self.last_report: AcceptanceReport | None = None
 
@@ -515,11 +526,13 @@ class TauMonitor:
         if self.continuations is None:
             self.continuations = cached_greedy_continuations(self.target, self.prompts, self.max_new_tokens,
                                                              self.batch_size)
+        shape = make_shape(self.tree, self.target, drafter)
+        check_eval_prompts(self.target, self.prompts, self.max_new_tokens, shape)
         was_training = drafter.training
         drafter.eval()
         try:
-            self.last_report = evaluate_acceptance(self.target, drafter, self.prompts, self.continuations,
-                                                   self.shape, self.batch_size)
+            self.last_report = evaluate_acceptance(self.target, drafter, self.prompts, self.continuations, shape,
+                                                   self.batch_size)
             return self.last_report
         finally:
             drafter.train(was_training)

@@ -18,11 +18,11 @@ from typing import Any
 import yaml
 
 import mmvsd.configs
-from mmvsd.decoding.tree import TreeShape
 from mmvsd.errors import UserError
 from mmvsd.files import atomic_file
 from mmvsd.training.objectives import ObjectiveConfig
 from mmvsd.training.terms import DEFAULT_OBJECTIVE, check_objective
+from mmvsd.tree_options import tree_parts
 
 
 @dataclass
@@ -95,7 +95,7 @@ class TrainConfig:
     # image task (e.g. vqav2_val_mini_long), as `mmvsd eval-drafter --prompt-file` takes
     eval_limit: int = 20  # first N prompts
     eval_max_new_tokens: int = 128
-    eval_tree: str = "60/7/10"  # BUDGET/DEPTH/TOPK
+    eval_tree: str = "60/7/10"  # the --tree grammar: auto, paper or BUDGET/DEPTH/TOPK (mmvsd.tree_options)
     loss: ObjectiveConfig = field(default_factory=ObjectiveConfig)
 
     def validate(self) -> None:
@@ -146,10 +146,7 @@ class TrainConfig:
         check_adapter(self.adapter)
         if self.eval_every < 0 or self.eval_limit < 0:
             raise UserError(f"eval_every and eval_limit must be >= 0, got {self.eval_every} and {self.eval_limit}")
-        try:
-            TreeShape.parse(self.eval_tree)
-        except ValueError as err:
-            raise UserError(f"eval_tree: {err}") from None
+        tree_parts(self.eval_tree, "eval_tree")  # the one --tree grammar: auto, paper or BUDGET/DEPTH/TOPK
         if self.eval_every:
             check_eval_prompts(self.eval_prompts, self.eval_limit)
 
@@ -256,11 +253,13 @@ def load_train_config(config_file: str | None, flags: dict[str, Any], overrides:
 
 
 def tree_depth(spec: str, fallback: int) -> int:
-    """The depth of a BUDGET/DEPTH/TOPK tree (`fallback` for a malformed one, which `validate` reports)."""
+    """The depth a `--tree` spec fixes (`fallback` for auto, paper, a 0 depth or a malformed spec, which `validate`
+    reports)."""
     try:
-        return TreeShape.parse(spec).depth or fallback
-    except ValueError:
+        parts = tree_parts(spec, "eval_tree")
+    except UserError:
         return fallback
+    return parts[1] if parts and parts[1] else fallback
 
 
 def init_drafter_type(init: str) -> str:

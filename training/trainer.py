@@ -30,7 +30,6 @@ import yaml
 from tqdm import tqdm
 
 from mmvsd.data.conversations import missing_images_message, parse_dataset_spec, read_conversations
-from mmvsd.decoding.tree import TreeShape
 from mmvsd.drafter_base import Drafter, drafter_class
 from mmvsd.errors import UserError
 from mmvsd.files import atomic_file
@@ -469,8 +468,7 @@ def _tau_monitor(config: TrainConfig, target: Target, accelerator):
     """The validation-tau evaluator (main process only; None when eval_every is 0)."""
     if config.eval_every <= 0 or not accelerator.is_main_process:
         return None
-    return TauMonitor(target, config.eval_prompts, config.eval_limit, config.eval_max_new_tokens,
-                      TreeShape.parse(config.eval_tree))
+    return TauMonitor(target, config.eval_prompts, config.eval_limit, config.eval_max_new_tokens, config.eval_tree)
 
 
 def _log_tau(monitor, drafter: Drafter, accelerator, out_dir: Path, state: TrainState) -> None:
