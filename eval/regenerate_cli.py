@@ -92,8 +92,9 @@ def run_regenerate_command(args: argparse.Namespace) -> None:
     with contextlib.ExitStack() as stack:
         answer, engine = None, ""
         if args.engine == "llama.cpp":
-            answer = stack.enter_context(_llama_answers(args, gguf, target, settings))
-            engine = answer.engine
+            answer = _llama_answers(args, gguf, target, settings)
+            engine = answer.engine  # the cache key's engine: a restore answers nothing, so no server starts
+            answer = answer if args.restore_only else stack.enter_context(answer)
         stats = regenerate_dataset(target, conversations, args.output, data=args.data, settings=settings,
                                    answer=answer, engine=engine, adapter=adapter, estimate_only=args.estimate,
                                    store=args.store or None, restore_only=args.restore_only)

@@ -213,7 +213,8 @@ def regenerate_dataset(target: Target, conversations: list[Conversation], output
     restorable = _restorable(shard_store, manifest, len(shards))
     for index in restorable:
         pending[index] = []
-    estimate = _estimate(target, answer, [c for shard in pending for c in shard], settings, adapter, manifest)
+    left = [] if restore_only else [c for shard in pending for c in shard]  # a restore answers nothing
+    estimate = _estimate(target, answer, left, settings, adapter, manifest)
     restoring = f", {len(restorable)} to restore from {store}" if store else ""
     print(f"regenerate into {output}: {len(conversations)} conversations in {len(shards)} shards of "
           f"{settings.shard_size}{restoring}; {estimate.describe()}", flush=True)
