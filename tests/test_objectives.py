@@ -42,12 +42,13 @@ def test_ce_loss_matches_explicit_loop(tiny_target):
     hiddens, full_logits = unrolled(tiny_target, batch, drafter, 3)
     expected = 0.0
     for step in range(3):
-        terms, hits = [], []
+        terms, hits, labels = [], [], 0
         for b in range(2):
             for t in range(int(batch.tokens.lengths[b])):
                 label_pos = t + 2 + step  # the token step `step` at anchor t predicts
                 if label_pos >= 12 or not batch.tokens.loss_mask[b, label_pos]:
                     continue
+                labels += 1
                 target_row = full_logits[b, label_pos - 1]
                 if int(target_row.argmax()) < 28:  # target top-1 outside the draft vocabulary: skipped
                     continue
@@ -57,6 +58,8 @@ def test_ce_loss_matches_explicit_loop(tiny_target):
                 hits.append(float(draft_logprobs.argmax() == target_probs.argmax()))
         expected = expected + 0.8**step * torch.stack(terms).mean()
         assert metrics[f"acc_{step}"] == sum(hits) / len(hits)
+        if step == 0:  # over every label: an out-of-vocabulary top-1 counts as a miss
+            assert metrics["acc_0_all"] == pytest.approx(sum(hits) / labels)
     torch.testing.assert_close(loss, expected)
 
 

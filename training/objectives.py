@@ -212,6 +212,8 @@ def ce_loss(drafter: Drafter, target: Target, batch: FeatureBatch, config: Objec
         total = total + config.ttt_decay**step * mean((soft_ce * counted).sum(), count)
         correct = (draft_logprobs.argmax(-1) == label_rows(target_top1, step, label)) & counted
         metrics[f"acc_{step}"] = float(mean(correct.sum().float(), count))
+        if step == 0:  # over every label, out-of-draft-vocabulary ones counted wrong: as public heads report it
+            metrics["acc_0_all"] = float(mean(correct.sum().float(), label.sum()))
     metrics["ce"] = float(total.detach())
     return total, metrics
 
