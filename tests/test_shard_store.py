@@ -3,6 +3,7 @@ files named and regenerated, another regeneration's store refused."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import lzma
 
@@ -89,3 +90,16 @@ def test_answers_whose_text_does_not_come_back_from_ids_are_kept_as_text(chat_ta
     assert unpack_shard(data, sources, chat_target.tokenizer, key) == [record]
     with pytest.raises(DamagedShard, match="KeyError"):  # another dataset: the source is not there
         unpack_shard(data, {}, chat_target.tokenizer, key)
+
+
+def test_a_shard_that_does_not_rebuild_its_lines_is_regenerated(chat_target, tmp_path, capsys):
+    store = tmp_path / "store"
+    run(chat_target, tmp_path / "work", store)
+    manifest = json.loads((store / MANIFEST).read_text())
+    manifest["shards"]["2"]["lines_sha256"] = "0" * 64  # as if another tokenizer build decoded the ids otherwise
+    (store / MANIFEST).write_text(json.dumps(manifest))
+    stats = run(chat_target, tmp_path / "fresh", store)
+    assert "does not rebuild the lines" in capsys.readouterr().out and stats.num_regenerated == 1
+    assert shard_path(tmp_path / "fresh", 2).read_text() == shard_path(tmp_path / "work", 2).read_text()
+    repacked = json.loads((store / MANIFEST).read_text())["shards"]["2"]["lines_sha256"]
+    assert repacked == hashlib.sha256(shard_path(tmp_path / "work", 2).read_bytes()).hexdigest()  # packed anew

@@ -11,7 +11,8 @@ all xz-compressed (deterministic bytes: the same shard packs to the same file). 
 whose text does not come back from its token ids (decode(encode(text)) != text), so a restored line is byte for
 byte the line regeneration wrote. `manifest.json` holds what a resume must agree with (the regeneration's key:
 target, settings, engine; dataset, shard size, order digest; the tokenizer's digest) and, per shard, the file's
-sha256, its conversations, answers, answer tokens and the seconds its regeneration took.
+sha256, the sha256 of the lines it rebuilds, its conversations, answers, answer tokens and the seconds its
+regeneration took.
 
 Restore: a shard that the work folder has not finished is rebuilt from its file and the dataset's own
 conversations. A file that fails its checksum or does not rebuild is named and left out: regeneration writes that
@@ -149,6 +150,11 @@ def unpack_shard(data: bytes, sources: dict[ConvKey, Conversation], tokenizer: A
     return records
 
 
+def _lines(records: list[dict[str, Any]]) -> str:
+    """Cache records as the work shard's JSON Lines (as regeneration writes them)."""
+    return "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+
+
 def _decode(tokenizer: Any, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
@@ -192,10 +198,17 @@ class ShardStore:
             records = unpack_shard(data, sources, tokenizer, key)
         except DamagedShard as err:
             print(f"{store_path(self.folder, index)} does not rebuild ({err}): left out, regenerated", flush=True)
+            del self.manifest["shards"][str(index)]  # so that the regenerated shard is packed over it
+            return None
+        entry = self.manifest["shards"][str(index)]
+        lines = _lines(records)
+        if hashlib.sha256(lines.encode()).hexdigest() != entry["lines_sha256"]:  # another dataset or tokenizer build
+            print(f"{store_path(self.folder, index)} does not rebuild the lines it was packed from: left out, "
+                  "regenerated", flush=True)
+            del self.manifest["shards"][str(index)]
             return None
         with atomic_file(work_path, "w") as handle:
-            handle.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
-        entry = self.manifest["shards"][str(index)]
+            handle.write(lines)
         return {"conversations": entry["conversations"], "tokens": entry["tokens"], "seconds": entry["seconds"]}
 
     def pack(self, index: int, shard: list[Conversation], tokenizer: Any, key: dict[str, Any], work_path: Path,
@@ -212,6 +225,7 @@ class ShardStore:
         answers = sum(turn["role"] == "assistant" for record in records for turn in record["turns"])
         self.manifest["shards"][str(index)] = {
             "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "conversations": len(records),
+            "lines_sha256": hashlib.sha256(_lines(records).encode()).hexdigest(),
             "answers": answers, "tokens": figures["tokens"], "seconds": figures["seconds"]}
         self.manifest["shards"] = dict(sorted(self.manifest["shards"].items(), key=lambda item: int(item[0])))
         with atomic_file(self.folder / MANIFEST) as handle:
