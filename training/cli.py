@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from typing import Self
 
 from mmvsd.placement import add_device_argument, placement, positive_int
 from mmvsd.training.terms import objective_help
@@ -17,7 +16,7 @@ class ShownHelp(str):
 
     make: Callable[[], str]
 
-    def __new__(cls, make: Callable[[], str]) -> Self:
+    def __new__(cls, make: Callable[[], str]) -> ShownHelp:  # noqa: PYI034  (typing.Self is 3.11+; we run on 3.10)
         text = super().__new__(cls, "(made when shown)")
         text.make = make
         return text
