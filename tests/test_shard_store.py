@@ -84,7 +84,8 @@ def test_answers_whose_text_does_not_come_back_from_ids_are_kept_as_text(chat_ta
                         {"role": "user", "text": "w9"}, {"role": "assistant", "text": "w10 w11"}],
               "image": None}
     sources = {("x", record["source"]): source}
-    data = pack_shard([record], sources, chat_target.tokenizer)
+    data, num_tokens = pack_shard([record], sources, chat_target.tokenizer)
+    assert num_tokens == 4  # both answers counted, the one kept as text too
     head = lzma.decompress(data).split(b"\n")[1]
     assert json.loads(head)["texts"] == {"0": "w7  w8"}  # the other answer went as token ids
     assert unpack_shard(data, sources, chat_target.tokenizer, key) == [record]

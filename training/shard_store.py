@@ -95,10 +95,12 @@ def _layout(record: dict[str, Any], source: Conversation) -> list[int]:
     return layout
 
 
-def pack_shard(records: list[dict[str, Any]], sources: dict[ConvKey, Conversation], tokenizer: Any) -> bytes:
-    """The store file of one finished shard's cache records (in their order)."""
+def pack_shard(records: list[dict[str, Any]], sources: dict[ConvKey, Conversation],
+               tokenizer: Any) -> tuple[bytes, int]:
+    """The store file of one finished shard's cache records (in their order), and the answer tokens it holds."""
     meta: dict[str, Any] = {"records": [], "lengths": [], "texts": {}}
     ids: list[int] = []
+    num_tokens = 0
     for record in records:
         source = sources[(record["conv_id"], record["source"])]
         meta["records"].append({"conv_id": record["conv_id"], "source": record["source"], "status": record["status"],
@@ -107,6 +109,7 @@ def pack_shard(records: list[dict[str, Any]], sources: dict[ConvKey, Conversatio
             if turn["role"] != "assistant":
                 continue
             answer_ids = tokenizer(turn["text"], add_special_tokens=False)["input_ids"]
+            num_tokens += len(answer_ids)
             if _decode(tokenizer, answer_ids) != turn["text"]:
                 meta["texts"][str(len(meta["lengths"]))] = turn["text"]
                 answer_ids = []
@@ -114,7 +117,7 @@ def pack_shard(records: list[dict[str, Any]], sources: dict[ConvKey, Conversatio
             ids += answer_ids
     meta["dtype"] = "<u2" if max(ids, default=0) < 1 << 16 else "<u4"
     body = json.dumps(meta, ensure_ascii=False).encode() + b"\n" + np.asarray(ids, dtype=meta["dtype"]).tobytes()
-    return lzma.compress(MAGIC + body, preset=9)
+    return lzma.compress(MAGIC + body, preset=9), num_tokens
 
 
 def unpack_shard(data: bytes, sources: dict[ConvKey, Conversation], tokenizer: Any,
@@ -213,12 +216,13 @@ class ShardStore:
 
     def pack(self, index: int, shard: list[Conversation], tokenizer: Any, key: dict[str, Any], work_path: Path,
              figures: dict[str, Any]) -> None:
-        """Pack finished work shard `index` into the store (unless it holds a sound copy already)."""
+        """Pack finished work shard `index` into the store (unless it holds a sound copy already); `figures`: the
+        work manifest's, whose seconds are recorded (a shard resumed from another folder's lines took longer)."""
         if str(index) in self.manifest["shards"] and self.damaged(index) is None:
             return
         sources = {(conv.conv_id, source_digest(conv)): conv for conv in shard}
         records = list(read_cache(work_path, key).values())  # in the work file's order: training reads that order
-        data = pack_shard(records, sources, tokenizer)
+        data, num_tokens = pack_shard(records, sources, tokenizer)
         self.folder.mkdir(parents=True, exist_ok=True)
         with atomic_file(store_path(self.folder, index), "wb") as handle:
             handle.write(data)
@@ -226,7 +230,7 @@ class ShardStore:
         self.manifest["shards"][str(index)] = {
             "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "conversations": len(records),
             "lines_sha256": hashlib.sha256(_lines(records).encode()).hexdigest(),
-            "answers": answers, "tokens": figures["tokens"], "seconds": figures["seconds"]}
+            "answers": answers, "tokens": num_tokens, "seconds": figures["seconds"]}  # seconds: this folder's
         self.manifest["shards"] = dict(sorted(self.manifest["shards"].items(), key=lambda item: int(item[0])))
         with atomic_file(self.folder / MANIFEST) as handle:
             json.dump(self.manifest, handle, indent=1)
