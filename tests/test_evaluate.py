@@ -240,7 +240,8 @@ def test_eval_drafter_gives_figures_per_domain_of_the_prompt_file(tiny_dir, tmp_
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": text, "domain": domain}) + "\n" for text, domain in rows))
     code, out, err = run_cli(capsys, "eval-drafter", "--target", str(tiny_dir), "--drafter", "random", "--prompt-file",
-                             str(prompts), "--max-new-tokens", "16", "--tree", "4/3/1", "--json", str(tmp_path / "e.json"))
+                             str(prompts), "--max-new-tokens", "16", "--tree", "4/3/1",
+                             "--json", str(tmp_path / "e.json"))
     assert code == 0, err
     report = json.loads((tmp_path / "e.json").read_text())
     assert {name: figures["num_prompts"] for name, figures in report["by_domain"].items()} == {"chat": 2, "math": 1}
