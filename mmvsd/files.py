@@ -4,12 +4,16 @@ the mmvsd cache folder."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+from mmvsd.errors import UserError
 
 
 @contextmanager
@@ -77,3 +81,20 @@ def jsonl_lines(text: str) -> list[str]:
     and other separators that JSON holds unescaped when written with `ensure_ascii=False` (ShareGPT's answers
     have them), which cut a record in two."""
     return text.split("\n")
+
+
+def read_folder_manifest(folder: Path, name: str, fmt: str, what: str, option: str) -> dict[str, Any] | None:
+    """The manifest `name` (JSON, `"format": fmt`) of a folder that mmvsd writes, None for a folder that is absent or
+    empty; a folder that is something else (`what`, e.g. "a regeneration folder") is refused, naming `option`."""
+    path = folder / name
+    if not path.is_file():
+        if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+            raise UserError(f"{folder} exists and is not {what} (no {name}); pick another {option}")
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(f"{path} is not {what}'s manifest ({err}); pick another {option}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != fmt:
+        raise UserError(f"{path} is not {what}'s manifest; pick another {option}")
+    return manifest

@@ -31,7 +31,7 @@ from typing import Any
 from mmvsd.adapter_base import ModalityAdapter
 from mmvsd.data.conversations import Conversation
 from mmvsd.errors import UserError
-from mmvsd.files import atomic_file
+from mmvsd.files import atomic_file, read_folder_manifest
 from mmvsd.target import Target
 from mmvsd.training.regenerate import (
     AnswerFn,
@@ -99,18 +99,7 @@ def order_digest(conversations: list[Conversation]) -> str:
 
 def read_manifest(output: Path) -> dict[str, Any] | None:
     """The folder's manifest, None for a folder that does not exist or is empty; refuses a folder not ours."""
-    path = output / MANIFEST
-    if path.is_file():
-        try:
-            manifest = json.loads(path.read_text())
-        except (OSError, ValueError) as err:
-            raise UserError(f"{path} is not a regeneration manifest ({err}); pick another --output") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise UserError(f"{path} is not a regeneration manifest; pick another --output")
-        return manifest
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise UserError(f"{output} exists and is not a regeneration folder (no {MANIFEST}); pick another --output")
-    return None
+    return read_folder_manifest(output, MANIFEST, FORMAT, "a regeneration folder", "--output")
 
 
 def _check_resume(manifest: dict[str, Any], fresh: dict[str, Any], output: Path) -> None:

@@ -34,7 +34,7 @@ import numpy as np
 
 from mmvsd.data.conversations import Conversation
 from mmvsd.errors import UserError
-from mmvsd.files import atomic_file, file_sha256
+from mmvsd.files import atomic_file, file_sha256, read_folder_manifest
 from mmvsd.training.regenerate import ConvKey, read_cache, source_digest
 
 logger = logging.getLogger(__name__)
@@ -60,18 +60,7 @@ def tokenizer_digest(tokenizer: Any) -> str:
 def read_store_manifest(folder: Path) -> dict[str, Any] | None:
     """A store's manifest, None for a folder that is absent or empty; anything else is refused (a cheap check that
     runs before the target loads)."""
-    path = folder / MANIFEST
-    if not path.is_file():
-        if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
-            raise UserError(f"--store {folder} exists and is not a shard store (no {MANIFEST}); pick another")
-        return None
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise UserError(f"{path} is not a shard store's manifest ({err})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != STORE_FORMAT:
-        raise UserError(f"{path} is not a shard store's manifest; pick another --store")
-    return manifest
+    return read_folder_manifest(folder, MANIFEST, STORE_FORMAT, "a shard store", "--store")
 
 
 def store_path(store: Path, index: int) -> Path:
