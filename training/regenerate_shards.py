@@ -231,7 +231,8 @@ def regenerate_dataset(target: Target, conversations: list[Conversation], output
 
 
 def _restorable(shard_store: ShardStore | None, manifest: dict[str, Any], num_shards: int) -> list[int]:
-    """Shards the store holds that the work folder has not finished (their checksums are checked on restore)."""
+    """Shards the store holds, sound by their checksums, that the work folder has not finished (a damaged one is
+    named here and left to regeneration; whether a sound one rebuilds its lines is checked on restore)."""
     if shard_store is None:
         return []
     restorable = []
