@@ -6,7 +6,7 @@
     python benchmarks/gpu_fullsize_llava.py --images IMAGES --out /tmp/full --size tiny --device cpu  # dry check
 
 The real weights are not reachable from the lent machines (nothing outside them is, and at most 64 MiB travels),
-so the script builds LLaVA-1.5 from `configs/targets/llava-1.5-SIZE.json` with random bf16 weights: the real
+so the script builds LLaVA-1.5 from `mmvsd/configs/targets/llava-1.5-SIZE.json` with random bf16 weights: the real
 architecture, sizes and 576 image tokens, CLIP's 336-pixel processor, and a character-level tokenizer with
 LLaVA's vocabulary size and special ids. Acceptance on such a target means nothing; time, memory and token-for-
 token equality do. Each step runs through the command line as a user runs it:
@@ -46,7 +46,8 @@ TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'user' %}USER: {% if m['c
 def config(size: str):
     from transformers import LlavaConfig
 
-    raw = json.loads((ROOT / "configs" / "targets" / f"llava-1.5-{'13b' if size == 'tiny' else size}.json").read_text())
+    name = f"llava-1.5-{'13b' if size == 'tiny' else size}.json"
+    raw = json.loads((ROOT / "mmvsd" / "configs" / "targets" / name).read_text())
     raw.pop("_comment", None)
     if size == "tiny":  # the same structure and image geometry, small widths: the dry check on a CPU
         raw["text_config"].update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

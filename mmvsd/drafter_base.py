@@ -5,7 +5,7 @@ EAGLE-family drafters read "pairs": at committed position t they see a feature o
 the embedding of token t+1, and predict token t+2. A `DraftSession` (`mmvsd.decoding.draft_session`) keeps a
 drafter's own ragged KV cache in step with the target's while decoding. The registry that loads an
 architecture by name is here (`drafter_class`, `load_drafter`); the architectures register themselves from
-`drafters/`, one file each.
+`mmvsd/drafters/`, one file each.
 
 Media reach a drafter as `PairMedia`: for every pair, the target's input embedding of the pair's
 next token (the projected media embedding inside a media span) and which span that token is in.
@@ -52,7 +52,7 @@ class PairMedia:
 
 
 class Drafter(nn.Module):
-    """Base class of drafter architectures; subclasses live in `drafters/`, one file each."""
+    """Base class of drafter architectures; subclasses live in `mmvsd/drafters/`, one file each."""
 
     drafter_type: ClassVar[str] = ""
     media_curriculum: ClassVar[bool] = False  # train text-only first, then more and more media samples
@@ -201,7 +201,7 @@ def target_to_draft_ids(drafter: Drafter, vocab_size: int) -> Tensor:
     return index
 
 
-DRAFTERS: dict[str, type[Drafter]] = {}  # drafter_type -> class; filled by the plugins (`drafters/` built in)
+DRAFTERS: dict[str, type[Drafter]] = {}  # drafter_type -> class; filled by the plugins (`mmvsd/drafters/` built in)
 
 
 def register_drafter(cls: type[Drafter]) -> type[Drafter]:

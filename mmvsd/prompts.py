@@ -1,8 +1,8 @@
 """Prompts: reading JSONL prompt files (`prompt`, or MT-Bench `turns`), and the registry of named prompt sets
 (the benchmarks' first turns, with their images) that `eval-drafter` and the training tau monitor read.
 
-Every registered benchmark is a prompt set (`register_benchmark` in eval/suites.py registers it; the plugin
-`eval/prompt_sets.py`, under `mmvsd.plugins`, brings the built-in benchmarks in and reads their first turns).
+Every registered benchmark is a prompt set (`register_benchmark` in mmvsd/eval/suites.py registers it; the plugin
+`mmvsd/eval/prompt_sets.py`, under `mmvsd.plugins`, brings the built-in benchmarks in and reads their first turns).
 """
 
 from __future__ import annotations

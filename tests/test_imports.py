@@ -12,21 +12,18 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-# the package's folders on disk: mmvsd/, and the top-level folders its symlinks name (mmvsd/drafters -> ../drafters)
-LINKS = sorted(path for path in (ROOT / "mmvsd").iterdir() if path.is_symlink())
-PACKAGES = {"mmvsd": "mmvsd", **{f"mmvsd.{link.name}": link.resolve().relative_to(ROOT).as_posix() for link in LINKS}}
+# the design card's folders, each a subpackage folder inside mmvsd/ (one path per file: docs/architecture.md)
+CARD_FOLDERS = ("adapters", "configs", "data", "drafters", "eval", "training")
 
 
 def package_modules() -> dict[str, Path]:
+    """Every module of the package by its dotted name, at the one path that name says (mmvsd/drafters/eagle3.py)."""
     modules = {}
-    for package, folder in PACKAGES.items():
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            parts = list(path.relative_to(ROOT / folder).with_suffix("").parts)
-            if folder == "mmvsd" and (ROOT / folder / parts[0]).is_symlink():
-                continue  # a linked folder's modules are read at their top-level path
-            if parts[-1] == "__init__":
-                parts = parts[:-1]
-            modules[".".join([package, *parts])] = path
+    for path in sorted((ROOT / "mmvsd").rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
     return modules
 
 

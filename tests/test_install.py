@@ -155,8 +155,8 @@ def test_the_readme_installs_through_the_constraints():
 
 
 def test_a_checkouts_mmvsd_folder_is_the_whole_package_without_the_editable_finder(tmp_path):
-    """mmvsd/ links the top-level folders (mmvsd/drafters -> ../drafters), so a checkout's mmvsd/ folder imports the
-    whole package from its own files with no mapping to know: `python -m mmvsd --help` there, with the editable
+    """mmvsd/ holds the card's folders as real subfolders (mmvsd/drafters/), so a checkout's mmvsd/ folder imports
+    the whole package from its own files with no mapping to know: `python -m mmvsd --help` there, with the editable
     install's finder removed, lists mmvsd's commands (whose entry points are the install's metadata)."""
     import mmvsd
 

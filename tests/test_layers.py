@@ -1,22 +1,22 @@
-"""Imports run one way, as docs/architecture.md's layer map says: the core (mmvsd/, its command line's dispatch
-included) imports none of `adapters/ data/ drafters/ training/ eval/`; the first three import the core alone;
-`training/` sits above them and `eval/` on top; the studies (studies/) sit above the package, which never imports
-them, nor `benchmarks/` or `tests/`, nor edits `sys.path`. Every runtime import counts, function-level ones included
-(typing-only ones do not). On disk the same: the folders' import graph has no circle, and every module's name is a
-path a tool can open (mmvsd/'s symlinks to the top-level folders; pyright resolves every import)."""
+"""Imports run one way, as docs/architecture.md's layer map says: the core (mmvsd/'s own modules, decoding/ and
+layouts/, its command line's dispatch included) imports none of the folders `adapters/ data/ drafters/ training/
+eval/` inside mmvsd/; the first three import the core alone; `training/` sits above them and `eval/` on top; the
+studies (studies/) sit above the package, which never imports them, nor `benchmarks/` or `tests/`, nor edits
+`sys.path`. Every runtime import counts, function-level ones included (typing-only ones do not). On disk the
+same: the folders' import graph has no circle, and every module has one path, the one its name says, that git,
+setuptools and pyright all see (no links)."""
 
 from __future__ import annotations
 
 import ast
 import json
-import os
 import re
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-from test_imports import LINKS, PYPROJECT, ROOT, find_cycle, package_modules, runtime_imports
+from test_imports import CARD_FOLDERS, PYPROJECT, ROOT, find_cycle, package_modules, runtime_imports
 
 # (layer, rank, what belongs to it); a module may import its own layer's modules and lower ranks' only. The
 # plugin folders may each import the core and themselves, not one another.
@@ -65,8 +65,8 @@ def test_imports_run_one_way(name):
 
 def test_the_architecture_doc_shows_the_map():
     text = (ROOT / "docs" / "architecture.md").read_text()
-    for folder in ("mmvsd/decoding/", "mmvsd/layouts/", "training/", "drafters/", "adapters/", "data/", "eval/",
-                   "studies/"):
+    for folder in ("mmvsd/decoding/", "mmvsd/layouts/", "mmvsd/training/", "mmvsd/drafters/", "mmvsd/adapters/",
+                   "mmvsd/data/", "mmvsd/eval/", "studies/"):
         assert f"`{folder}`" in text, f"docs/architecture.md's layer map does not place {folder}"
 
 
@@ -76,33 +76,44 @@ def test_the_core_stays_small_at_its_top_level():
 
 
 def folder_of(path: Path) -> str:
-    """The top-level folder that a module's file lies in on disk: mmvsd, drafters, training, eval, ..."""
-    return path.resolve().relative_to(ROOT).parts[0]
+    """The folder of the layer map that a module's file lies in: mmvsd (the core), or one of the card's folders
+    inside it (drafters, training, eval, ...)."""
+    parts = path.relative_to(ROOT / "mmvsd").parts
+    return parts[0] if len(parts) > 1 and parts[0] in CARD_FOLDERS else "mmvsd"
 
 
 def test_the_folders_on_disk_import_one_way():
-    """What a reader sees agrees with the layer map: mmvsd/ imports no other folder, and no folder imports one
+    """What a reader sees agrees with the layer map: the core imports no other folder, and no folder imports one
     that imports it back (issue 55: the mapping let mmvsd/training and mmvsd/cli.py import the folders above)."""
     modules = package_modules()
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         imported = {folder_of(modules[m]) for m in runtime_imports(name, path, set(modules))}
         graph.setdefault(folder_of(path), set()).update(imported - {folder_of(path)})
-    assert set(graph) == {"mmvsd", *(link.name for link in LINKS)}
-    assert not graph["mmvsd"], f"mmvsd/ imports the folders {sorted(graph['mmvsd'])}"
+    assert set(graph) == {"mmvsd", *CARD_FOLDERS}
+    assert not graph["mmvsd"], f"the core imports the folders {sorted(graph['mmvsd'])}"
     assert not find_cycle(graph), f"the folders import in a circle: {find_cycle(graph)}"
 
 
-def test_every_module_name_is_a_path_on_disk():
-    """mmvsd.drafters.eagle3 is the file mmvsd/drafters/eagle3.py (a relative symlink to drafters/), so tools that
-    follow paths (pyright, mypy, IDEs, setuptools) need no mapping; setuptools installs every linked folder."""
+def test_every_module_has_one_path_that_git_and_setuptools_see():
+    """mmvsd.drafters.eagle3 is the file mmvsd/drafters/eagle3.py and no other (issue 65: links gave every file two
+    paths and hid the package from tools that read git's file list); setuptools installs every package folder."""
+    links = [path for path in (ROOT / "mmvsd").rglob("*") if path.is_symlink()]
+    assert not links, f"links in the package: {links}"
     for name, path in package_modules().items():
-        relative = Path(*name.split("."))
-        on_disk = ROOT / (relative / "__init__.py" if path.name == "__init__.py" else relative.with_suffix(".py"))
-        assert on_disk.is_file() and on_disk.resolve() == path.resolve(), f"{name} is not {on_disk}"
-    assert [os.readlink(link) for link in LINKS] == [f"../{link.name}" for link in LINKS]
-    assert {f"mmvsd.{link.name}" for link in LINKS} <= set(PYPROJECT["tool"]["setuptools"]["packages"])
+        assert path.resolve() == path and name.split(".")[0] == "mmvsd", f"{name} is not at {path}"
+    folders = {".".join(path.parent.relative_to(ROOT).parts) for path in (ROOT / "mmvsd").rglob("__init__.py")}
+    assert folders == set(PYPROJECT["tool"]["setuptools"]["packages"])
     assert "package-dir" not in PYPROJECT["tool"]["setuptools"]
+    assert not [folder for folder in CARD_FOLDERS if list((ROOT / folder).rglob("*.py"))], "a second copy at the top"
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    listed = subprocess.run(["git", "ls-files", "-s", "mmvsd"], cwd=ROOT, capture_output=True, text=True, check=True)
+    modes = {line.split("\t")[1]: line.split()[0] for line in listed.stdout.splitlines()}
+    assert not [path for path, mode in modes.items() if mode == "120000"], "git tracks links in mmvsd/"
+    untracked = [path.relative_to(ROOT).as_posix() for path in package_modules().values()
+                 if path.relative_to(ROOT).as_posix() not in modes]
+    assert not untracked, f"modules git does not track (git add them): {untracked}"
 
 
 @pytest.mark.skipif(shutil.which("pyright") is None, reason="pyright is not installed (npm install -g pyright)")
@@ -154,9 +165,9 @@ def test_the_check_finds_imports_from_outside_and_sys_path(tmp_path):
 
 
 def test_the_package_imports_nothing_of_the_checkout_and_leaves_sys_path_alone():
-    """No module of the package (mmvsd/, drafters/, data/, eval/, adapters/, configs/) imports the studies,
-    benchmarks/ or tests/, or edits `sys.path`; the studies (a plugin on the public API) import no script of
-    benchmarks/ or tests/ and leave `sys.path` alone too."""
+    """No module of the package (mmvsd/ and its folders) imports the studies, benchmarks/ or tests/, or edits
+    `sys.path`; the studies (a plugin on the public API) import no script of benchmarks/ or tests/ and leave
+    `sys.path` alone too."""
     studies = sorted((ROOT / "studies" / "mmvsd_studies").rglob("*.py"))
     assert studies, "studies/mmvsd_studies is missing"
     found = [*(hit for path in package_modules().values() for hit in imports_from_outside_or_sys_path(path)),

@@ -86,7 +86,7 @@ def test_the_docs_show_the_registered_terms():
     text = (ROOT / "docs" / "training.md").read_text()
     assert objectives_markdown() in text, "docs/training.md: paste mmvsd.training.terms.objectives_markdown()"
     architecture = (ROOT / "docs" / "architecture.md").read_text()
-    for registry in ("training/terms.py", "register_proposer_spec", "register_benchmark", "ce+accept"):
+    for registry in ("mmvsd/training/terms.py", "register_proposer_spec", "register_benchmark", "ce+accept"):
         assert registry in architecture, registry
 
 

@@ -297,7 +297,7 @@ def test_bf16_and_on_policy_regeneration(setup, tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("name", sorted(p.stem for p in (Path(__file__).parents[1] / "configs").glob("*.yaml")
                                         if p.stem != "accelerate_zero2"))
 def test_every_shipped_training_config_resolves(name):
-    """The configs in configs/ (by name, as `--config NAME` finds them) hold only known keys and valid values
+    """The configs in mmvsd/configs/ (by name, as `--config NAME` finds them) hold only known keys and valid values
     (given what their comments say to pass: an output folder, and a target where they name none)."""
     config = load_train_config(name, {"output": "OUT"}, [] if "target:" in _shipped_config(name) else ["target=T"])
     assert config.objective

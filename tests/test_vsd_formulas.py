@@ -1,4 +1,4 @@
-"""The VSD objective's tensor math (training/vsd.py) against direct loop / numpy / scipy computation."""
+"""The VSD objective's tensor math (mmvsd/training/vsd.py) against direct loop / numpy / scipy computation."""
 
 from __future__ import annotations
 

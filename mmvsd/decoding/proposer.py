@@ -1,6 +1,6 @@
 """The one interface every proposer serves decoding through: `Proposer` (what `--drafter` names) and the
 `ProposerSession` it opens per batch. A neural drafter (`mmvsd.drafter_base.Drafter`), the n-gram lookup and
-the hybrid of both (`drafters/ngram.py`, `drafters/hybrid.py`) implement it; the decode loop, the acceptance
+the hybrid of both (`mmvsd/drafters/ngram.py`, `mmvsd/drafters/hybrid.py`) implement it; the decode loop, the acceptance
 evaluator and the cost profiler know nothing else about them.
 
 Glossary: a session is *advanced* with the pairs the target committed (a feature and the token after it);

@@ -4,7 +4,7 @@ A `Layout` ties one of our drafter architectures to a folder layout that someone
 serves (vLLM / SGLang EAGLE-3, MSD, ViSpec, ...): `export` writes it, `load` reads it back into our
 drafter (what the layout leaves out, such as token embeddings, comes from the target), `detect`
 recognises it from config.json and the weight names, and `released` maps a target name to the HF
-repo id of the drafter published for that target. Layouts live beside their drafter in `drafters/`;
+repo id of the drafter published for that target. Layouts live beside their drafter in `mmvsd/drafters/`;
 the registry that names them is `mmvsd.layouts.registry`.
 """
 

@@ -1,6 +1,6 @@
 """The checkpoint-layout registry: every layout by name (ours, `hf`, and those the plugins register: the built-in
-drafters' from `drafters/*_layout.py`), recognising a folder's layout, and loading through a layout with a hint when a
-folder is in another. The interface is `mmvsd.layouts.base`; reading the folders is `mmvsd.checkpoints`;
+drafters' from `mmvsd/drafters/*_layout.py`), recognising a folder's layout, and loading through a layout with a hint
+when a folder is in another. The interface is `mmvsd.layouts.base`; reading the folders is `mmvsd.checkpoints`;
 `--init` is `mmvsd.training.drafter_init`; `mmvsd export` is `mmvsd.layouts.export`.
 """
 

@@ -17,7 +17,7 @@ interpreter's version and the seed (`OUT.manifest.json` records them, the count 
 suites, `idlelib`, `lib2to3`, `turtledemo` and `site-packages` are left out.
 
     python -m mmvsd_studies.python_source_conversations --out ~/data/pystdlib.jsonl
-    mmvsd prepare --config configs/qwen15_coder_eagle3_cpu.yaml --data sharegpt+$HOME/data/pystdlib.jsonl ...
+    mmvsd prepare --config mmvsd/configs/qwen15_coder_eagle3_cpu.yaml --data sharegpt+$HOME/data/pystdlib.jsonl ...
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ per-token KL to the true chain is reported), and saved under OUT (reused when pr
 `<|user|> PROMPT <|assistant|> ANSWER` in the target's word-level chat template; the chain runs on across the
 markers. This world (settings, language, target, training prompts) is `control_world.py`.
 
-Every arm starts from the same narrow EAGLE-3 drafter (`drafters/eagle3.py`: the hidden width must equal
+Every arm starts from the same narrow EAGLE-3 drafter (`mmvsd/drafters/eagle3.py`: the hidden width must equal
 the target's, since the drafter borrows the target's embeddings, so it is narrowed where it can be: a
 `drafter_intermediate`-wide MLP and one `drafter_head_dim` attention head, against the target's
 `target_intermediate` x `target_layers`), written as an `--init` folder, and is trained by mmvsd's own

@@ -27,7 +27,7 @@ from mmvsd.tree_options import tree_parts
 
 @dataclass
 class TrainConfig:
-    """Everything `mmvsd train` needs; configs/*.yaml mirror these fields."""
+    """Everything `mmvsd train` needs; mmvsd/configs/*.yaml mirror these fields."""
 
     target: str = ""
     drafter: str = "eagle3"  # a registered drafter type
@@ -218,7 +218,7 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
 
 
 def _config_path(name: str) -> Path:
-    """A YAML path, or the name of a config shipped in configs/ (e.g. `smollm2_cpu`)."""
+    """A YAML path, or the name of a config shipped in mmvsd/configs/ (e.g. `smollm2_cpu`)."""
     path = Path(name)
     if path.exists():
         return path

@@ -179,7 +179,7 @@ def regenerate_dataset(target: Target, conversations: list[Conversation], output
 
     `data`: the dataset spec the conversations came from (recorded, and checked on resume). `answer`/`engine`: as
     for `regenerate_conversations` (default mmvsd's exact decoding). `estimate_only`: print the estimate, write
-    nothing. `store`: a shard store (training/shard_store.py) that the shards it holds are restored from and every
+    nothing. `store`: a shard store (mmvsd/training/shard_store.py) that the shards it holds are restored from and every
     finished shard is packed into; `restore_only`: restore and pack, answer nothing.
     """
     if settings.shard_size < 1:

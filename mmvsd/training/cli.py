@@ -38,7 +38,7 @@ def add_train_command(sub: argparse._SubParsersAction) -> None:
                                   "LLaVA-Instruct), sharegpt, sharegpt:PATH, llava-instruct:PATH or a JSON/JSONL file; "
                                   "SPEC+SPEC mixes them")
     p.add_argument("--output", help="output folder: becomes a drafter folder for `mmvsd generate --drafter`")
-    p.add_argument("--config", help="YAML file of TrainConfig settings (see configs/)")
+    p.add_argument("--config", help="YAML file of TrainConfig settings (see mmvsd/configs/)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --output")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan (parameters, data, steps, memory per GPU, disk, the accelerate launch "

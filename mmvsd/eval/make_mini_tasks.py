@@ -1,7 +1,7 @@
 """Write the data files of the offline lmms-eval mini tasks: one parquet file per task.
 
 Usage: python -m mmvsd.eval.make_mini_tasks [--out DIR] [--num-items 100] [--seed 0]
-(or python eval/make_mini_tasks.py from the repository root).
+(or python mmvsd/eval/make_mini_tasks.py from the repository root).
 
 Each file `<task>.parquet` holds items 0 .. num_items - 1 of the *test* split of the task's family in
 `mmvsd.data.images`, one row per item: item_id, question, answer, long_prompt, options, family and

@@ -7,11 +7,11 @@ suites it belongs to. `--suite` takes suite names and benchmark names, comma-sep
   questions), all shipped with mmvsd or its dependencies, so they need no network;
 - suite `mllm`: the six lmms-eval tasks the paper reports (`mmvsd.eval.mllm_suite`), each the real task when its
   data is on this machine, else its offline stand-in `<task>_mini_long` (the benchmark's `fallback`); the
-  stand-ins (`*_mini`, `*_mini_long`: synthetic images, `eval/tasks/`) are benchmarks too.
+  stand-ins (`*_mini`, `*_mini_long`: synthetic images, `mmvsd/eval/tasks/`) are benchmarks too.
 A new text benchmark: a loader (and a scorer) plus `register_benchmark(NAME, Benchmark(...), suites=("text",))`
 below; an lmms-eval task: `register_benchmark(NAME, lmms_benchmark(NAME), suites=("mllm",))`. From another
 package: the same call in a module listed under the entry-point group `mmvsd.plugins`. The registered benchmarks
-are also prompt sets (`mmvsd eval-drafter --prompt-file NAME`, eval/prompt_sets.py).
+are also prompt sets (`mmvsd eval-drafter --prompt-file NAME`, mmvsd/eval/prompt_sets.py).
 """
 
 from __future__ import annotations

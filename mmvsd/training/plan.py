@@ -1,7 +1,7 @@
 """`mmvsd train --dry-run`: what a run will train, on what, for how long, and what it needs per GPU, offline.
 
 No weights are loaded and nothing is written: the target and the drafter are built on the meta device from
-configs (shipped full-size ones for the LLaVA-1.5 names in `configs/targets/`, a folder's config.json, a
+configs (shipped full-size ones for the LLaVA-1.5 names in `mmvsd/configs/targets/`, a folder's config.json, a
 GGUF built-in's converted folder), so their parameter counts are exact. The data files are read for their
 record counts (`data=auto` resolved as the run resolves it, `training_data.py`, and a warning when an image
 drafter would train on text alone). Memory per GPU is a model:
