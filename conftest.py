@@ -50,11 +50,12 @@ def cache_in_a_temporary_folder(tmp_path_factory):
 @pytest.fixture(autouse=True, scope="session")
 def cpu_precision_stays_fp32():
     """`--dtype auto` on the CPU measures fp32 against bf16 and keeps the faster; in tests it keeps fp32 on every
-    machine, so no test's outcome depends on this CPU (tests/test_engine.py injects timings to test the choice)."""
-    from mmvsd.decoding import engine
+    machine, so no test's outcome depends on this CPU (tests/test_cpu_kernels.py injects timings to test the choice)."""
+    from mmvsd.decoding import cpu_kernels
 
     patch = pytest.MonkeyPatch()
-    patch.setattr(engine, "_measure_choice", lambda target: engine.EngineChoice("float32", 1, (1.0, 1.0), None))
+    stock_fp32 = cpu_kernels.EngineChoice("float32", 1, (1.0, 1.0), None)
+    patch.setattr(cpu_kernels, "_measure_choice", lambda target: stock_fp32)
     yield
     patch.undo()
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from mmvsd.data.conversations import load_conversations
-from mmvsd.eval.llamacpp_answers import LlamaCppAnswers
+from mmvsd.engines.llamacpp_answers import LlamaCppAnswers
 from mmvsd.target_loader import load_target, target_gguf_file
 from mmvsd.training.regenerate import RegenerateStats, regenerate_conversations
 

@@ -9,7 +9,7 @@ as they are the same for all). Reports medians and ratios to `ce`, and writes JS
         --variants ce --ttt-steps 6 --batch-size 4 --draft-vocab-size 32000 --rounds 2
 
 `--target-dtype bf16` loads the target as `mmvsd train` does with `target_dtype=bf16` (`--target-engine`: decoding's
-exact engine or torch's kernels), `--precision bf16` runs the step under bf16 autocast with fp32 master weights.
+exact kernels or torch's kernels), `--precision bf16` runs the step under bf16 autocast with fp32 master weights.
 """
 
 from __future__ import annotations

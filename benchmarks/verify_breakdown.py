@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import AttentionInterface
 
-from mmvsd.decoding import engine
+from mmvsd.decoding import cpu_kernels
 from mmvsd.decoding.cost_measure import heap_tree, prefilled_cache, verify_step
 from mmvsd.decoding.kv import RaggedCache
 from mmvsd.decoding.tree import DraftTree
@@ -28,7 +28,7 @@ from mmvsd.target import Target
 from mmvsd.target_loader import load_target
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul", "mkldnn", "onednn")
-# the exact engine's float64 attention runs as matmuls under its own label, counted as attention
+# the exact kernels' float64 attention runs as matmuls under its own label, counted as attention
 ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "aten::_efficient_attention", "aten::softmax")
 SECTIONS = ("mask+positions", "keep", "lm_head", "attention")  # our own code paths, labelled with record_function
 
@@ -40,7 +40,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--context", type=int, default=256, help="committed tokens in the cache")
     p.add_argument("--steps", type=int, default=20, help="profiled steps per N (after 5 warm-up steps)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="bf16: with the exact engine where this CPU allows it, as `--dtype bf16` loads it")
+                   help="bf16: with the exact kernels where this CPU allows it, as `--dtype bf16` loads it")
     p.add_argument("--json", help="also write the table here")
     return p.parse_args()
 
@@ -63,16 +63,16 @@ def labelled(cls, name: str, label: str):
 
 @contextmanager
 def labelled_attention():
-    """Label the exact engine's float64 attention (matmuls that would otherwise count as GEMMs)."""
+    """Label the exact kernels' float64 attention (matmuls that would otherwise count as GEMMs)."""
     def wrapper(*args, **kwargs):
         with record_function("attention"):
-            return engine.exact_attention(*args, **kwargs)
+            return cpu_kernels.exact_attention(*args, **kwargs)
 
-    AttentionInterface.register(engine.EXACT_ATTENTION, wrapper)
+    AttentionInterface.register(cpu_kernels.EXACT_ATTENTION, wrapper)
     try:
         yield
     finally:
-        AttentionInterface.register(engine.EXACT_ATTENTION, engine.exact_attention)
+        AttentionInterface.register(cpu_kernels.EXACT_ATTENTION, cpu_kernels.exact_attention)
 
 
 def step(target: Target, cache: RaggedCache, tree: DraftTree, lens: torch.Tensor) -> None:

@@ -31,13 +31,13 @@ def add_placement_arguments(p: argparse.ArgumentParser) -> None:
     add_device_argument(p)
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="precision of the target and the drafter (default auto: bf16 on a GPU, fp16 on one without "
-                        "bf16; on the CPU fp32 or bf16 with the exact engine, measured once per machine)")
+                        "bf16; on the CPU fp32 or bf16 with the exact kernels, measured once per machine)")
 
 
 def placement(device: str = "auto", dtype: str = "auto"):
     """(torch dtype, device) to load a target with. auto device: the first CUDA GPU when there is one, else the
     CPU. auto dtype: bf16 on a GPU that has it (fp16 on one that does not); None on the CPU, where `load_target`
-    measures fp32 against bf16 with the exact engine (fast on CPUs with AMX or AVX-512-bf16, slow elsewhere)."""
+    measures fp32 against bf16 with the exact kernels (fast on CPUs with AMX or AVX-512-bf16, slow elsewhere)."""
     import torch  # CLI start-up: torch only once a command loads a target
 
     if device == "auto":
@@ -60,7 +60,7 @@ def placement(device: str = "auto", dtype: str = "auto"):
 
 def half_precision_warning(target) -> str | None:
     """What a user of speculative decoding should know about a half-precision target: None for fp32 and for
-    the exact engine, whose verify steps give the bits of one-token steps (`mmvsd.decoding.engine`)."""
+    the exact kernels, whose verify steps give the bits of one-token steps (`mmvsd.decoding.cpu_kernels`)."""
     if target.engine.startswith("exact"):
         return None
     name = str(target.dtype).removeprefix("torch.")

@@ -89,7 +89,7 @@ class Target:
         self.max_positions: int = getattr(text_config, "max_position_embeddings", 1 << 30)
         self.aux_layer_ids = tuple(aux_layer_ids or default_aux_layer_ids(self.num_layers))
         self.eos_token_ids = _eos_ids(model, tokenizer)
-        self.engine = "stock"  # how the forward runs: "stock" kernels or `mmvsd.decoding.engine`'s exact one
+        self.engine = "stock"  # how the forward runs: "stock" kernels or `mmvsd.decoding.cpu_kernels`'s exact one
         if text_config._attn_implementation == "sdpa":
             text_config._attn_implementation = GQA_SDPA
 

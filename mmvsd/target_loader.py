@@ -109,24 +109,13 @@ def builtin_targets() -> dict[str, BuiltinTarget]:
 
 
 
-def load_target(spec: str, dtype: torch.dtype | None = torch.float32, device: str = "cpu",
-                exact: bool = True) -> Target:
-    """Load a target from a built-in name, a local folder, a .gguf file or a cached HF model id.
-
-    On the CPU, dtype None (`--dtype auto`) picks fp32 or bf16 with the exact engine by measurement, and a
-    half-precision target gets the exact engine where this CPU allows it (`mmvsd.decoding.engine`), unless
-    `exact` is False (stock kernels: training, which needs no batch invariance)."""
-    from mmvsd.decoding import engine  # the decoding layer: imported when a target loads
-
+def load_target(spec: str, dtype: torch.dtype | None = torch.float32, device: str = "cpu") -> Target:
+    """Load a target from a built-in name, a local folder, a .gguf file or a cached HF model id, with torch's stock
+    kernels; dtype None (`--dtype auto` on a CPU) loads fp32. Choosing the kernels mmvsd's own decoding runs on is
+    a step of its own (`mmvsd.decoding.cpu_kernels.decoding_kernels`, which the `mmvsd` engine takes): nothing is
+    measured here."""
     folder = resolve_target_folder(spec)
-    target = load_target_folder(folder, name=spec, dtype=torch.float32 if dtype is None else dtype, device=device)
-    if target.device.type != "cpu":
-        return target
-    if dtype is None:
-        return engine.choose_cpu_engine(target)
-    if exact:
-        engine.use_exact_engine(target)
-    return target
+    return load_target_folder(folder, name=spec, dtype=torch.float32 if dtype is None else dtype, device=device)
 
 
 def resolve_target_folder(spec: str) -> Path:

@@ -16,17 +16,18 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_imports import CARD_FOLDERS, PYPROJECT, ROOT, find_cycle, package_modules, runtime_imports
+from test_imports import PACKAGE_FOLDERS, PYPROJECT, ROOT, find_cycle, package_modules, runtime_imports
 
 # (layer, rank, what belongs to it); a module may import its own layer's modules and lower ranks' only. The
 # plugin folders may each import the core and themselves, not one another.
 LAYERS = [
-    ("core", 0, re.compile(r"mmvsd(\.(?!eval\b|training\b|drafters\b|adapters\b|data\b)\w+.*)?$")),
+    ("core", 0, re.compile(r"mmvsd(\.(?!eval\b|engines\b|training\b|drafters\b|adapters\b|data\b)\w+.*)?$")),
     ("drafters", 1, re.compile(r"mmvsd\.drafters\b")),
     ("adapters", 1, re.compile(r"mmvsd\.adapters\b")),
     ("data", 1, re.compile(r"mmvsd\.data\b")),
     ("training", 2, re.compile(r"mmvsd\.training\b")),
     ("top", 3, re.compile(r"mmvsd\.eval\b")),
+    ("engines", 4, re.compile(r"mmvsd\.engines\b")),  # found by name through the core's registry, never imported
 ]
 
 
@@ -53,6 +54,9 @@ def test_the_map_places_each_folder():
     assert not allowed("mmvsd.training.trainer", "mmvsd.eval.suites")
     assert allowed("mmvsd.training.trainer", "mmvsd.drafters.eagle3")
     assert allowed("mmvsd.eval.bench", "mmvsd.training.cli")
+    assert allowed("mmvsd.engines.llamacpp", "mmvsd.eval.bench_method")
+    assert not allowed("mmvsd.eval.bench", "mmvsd.engines")
+    assert layer_of("mmvsd.decoding.engines") == ("core", 0)
     assert not allowed("mmvsd.cli", "mmvsd.training.trainer") and not allowed("mmvsd.__main__", "mmvsd.eval.bench")
 
 
@@ -79,7 +83,7 @@ def folder_of(path: Path) -> str:
     """The folder of the layer map that a module's file lies in: mmvsd (the core), or one of the card's folders
     inside it (drafters, training, eval, ...)."""
     parts = path.relative_to(ROOT / "mmvsd").parts
-    return parts[0] if len(parts) > 1 and parts[0] in CARD_FOLDERS else "mmvsd"
+    return parts[0] if len(parts) > 1 and parts[0] in PACKAGE_FOLDERS else "mmvsd"
 
 
 def test_the_folders_on_disk_import_one_way():
@@ -90,7 +94,7 @@ def test_the_folders_on_disk_import_one_way():
     for name, path in modules.items():
         imported = {folder_of(modules[m]) for m in runtime_imports(name, path, set(modules))}
         graph.setdefault(folder_of(path), set()).update(imported - {folder_of(path)})
-    assert set(graph) == {"mmvsd", *CARD_FOLDERS}
+    assert set(graph) == {"mmvsd", *PACKAGE_FOLDERS}
     assert not graph["mmvsd"], f"the core imports the folders {sorted(graph['mmvsd'])}"
     assert not find_cycle(graph), f"the folders import in a circle: {find_cycle(graph)}"
 
@@ -105,7 +109,7 @@ def test_every_module_has_one_path_that_git_and_setuptools_see():
     folders = {".".join(path.parent.relative_to(ROOT).parts) for path in (ROOT / "mmvsd").rglob("__init__.py")}
     assert folders == set(PYPROJECT["tool"]["setuptools"]["packages"])
     assert "package-dir" not in PYPROJECT["tool"]["setuptools"]
-    assert not [folder for folder in CARD_FOLDERS if list((ROOT / folder).rglob("*.py"))], "a second copy at the top"
+    assert not [folder for folder in PACKAGE_FOLDERS if list((ROOT / folder).rglob("*.py"))], "a second copy at the top"
     if not (ROOT / ".git").exists():
         pytest.skip("not a git checkout")
     listed = subprocess.run(["git", "ls-files", "-s", "mmvsd"], cwd=ROOT, capture_output=True, text=True, check=True)

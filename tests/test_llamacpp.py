@@ -24,13 +24,13 @@ from mmvsd.adapter_base import Prompt
 from mmvsd.cli import main
 from mmvsd.data.conversations import Conversation, Turn, load_conversations
 from mmvsd.drafters.export_spec import export_spec
+from mmvsd.engines import llamacpp_server
+from mmvsd.engines.llamacpp_answers import LlamaCppAnswers
+from mmvsd.engines.llamacpp_bench import chain_args, llamacpp_methods
+from mmvsd.engines.llamacpp_server import LlamaServer, find_llama_server
 from mmvsd.errors import UserError
-from mmvsd.eval import llamacpp_server
 from mmvsd.eval.bench import first_mismatch, run_bench
 from mmvsd.eval.bench_config import BenchConfig
-from mmvsd.eval.llamacpp_answers import LlamaCppAnswers
-from mmvsd.eval.llamacpp_bench import chain_args, llamacpp_methods
-from mmvsd.eval.llamacpp_server import LlamaServer, find_llama_server
 from mmvsd.target_loader import target_gguf_file
 from mmvsd.training.regenerate_shards import MANIFEST, RegenerateSettings, regenerate_dataset
 
@@ -139,7 +139,7 @@ def test_ctrl_c_and_errors_leave_no_server():
 
 
 def test_a_killed_parent_takes_its_server_along(tmp_path):
-    script = (f"import time; from mmvsd.eval.llamacpp_server import LlamaServer\n"
+    script = (f"import time; from mmvsd.engines.llamacpp_server import LlamaServer\n"
               f"s = LlamaServer({str(target_gguf_file('smollm2-135m'))!r}); s.start()\n"
               f"print(s.process.pid, flush=True); time.sleep(600)\n")
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
@@ -207,5 +207,5 @@ def test_regenerate_command_refuses_llama_cpp_without_a_gguf_target(tmp_path, ca
                     + "\n")
     code = main(["regenerate", "--target", str(folder), "--data", str(data), "--output", str(tmp_path / "out"),
                  "--engine", "llama.cpp", "--dtype", "fp32"])
-    assert code == 2 and "needs a GGUF target" in capsys.readouterr().err
+    assert code == 2 and "needs a GGUF file" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()

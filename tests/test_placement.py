@@ -24,7 +24,7 @@ def one_gpu(monkeypatch):
 
 
 def test_auto_is_measured_on_the_cpu_and_bf16_on_a_gpu(no_gpu):
-    assert placement() == (None, "cpu")  # load_target measures fp32 against bf16 with the exact engine
+    assert placement() == (None, "cpu")  # load_target measures fp32 against bf16 with the exact kernels
     assert placement("cpu", "bf16") == (torch.bfloat16, "cpu")
     assert placement("cpu", "float16") == (torch.float16, "cpu")  # the long names lmms-eval users write
 
@@ -53,7 +53,7 @@ def test_gpu_asked_for_where_there_is_none(no_gpu):
 
 def test_generate_loads_target_and_drafter_in_the_asked_precision(no_gpu, tmp_path, capsys, monkeypatch):
     import mmvsd.target_loader as loader
-    from mmvsd.decoding import engine
+    from mmvsd.decoding import cpu_kernels
 
     seen = []
     real = loader.load_target
@@ -65,12 +65,14 @@ def test_generate_loads_target_and_drafter_in_the_asked_precision(no_gpu, tmp_pa
     monkeypatch.setattr(loader, "load_target", spy)
     tiny = save_tiny_target(tmp_path / "tiny")
     common = ["generate", "--target", str(tiny), "--prompt", "w1 w2 w3", "--max-new-tokens", "6"]
-    monkeypatch.setattr(engine, "exact_bound_for", lambda target: (1, True))  # a CPU whose bf16 kernels are not exact
+    # a CPU whose bf16 kernels are not exact
+    monkeypatch.setattr(cpu_kernels, "exact_bound_for", lambda target: (1, True))
     code, _, err = run_cli(capsys, *common, "--drafter", "random", "--dtype", "bf16")
     assert code == 0, err
     assert seen == [(torch.bfloat16, "cpu")]
     assert err.count("mmvsd: warning: with a bfloat16 target") == 1 and "--dtype fp32" in err
-    monkeypatch.setattr(engine, "exact_bound_for", lambda target: (8, False))  # one whose kernels are exact to 8 rows
+    # one whose kernels are exact to 8 rows
+    monkeypatch.setattr(cpu_kernels, "exact_bound_for", lambda target: (8, False))
     code, _, err = run_cli(capsys, *common, "--drafter", "random", "--dtype", "bf16")
     assert code == 0 and "warning" not in err
     code, _, err = run_cli(capsys, *common, "--drafter", "random")

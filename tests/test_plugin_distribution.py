@@ -1,7 +1,8 @@
 """A plugin as a user ships one: a small distribution, pip-installed into a virtual environment, whose module listed
-under `mmvsd.plugins` registers a suite (a copy of gsm8k), a `--drafter` kind (a copy of `ngram`) and an objective
-term (a copy of `ce`), with a named target (`mmvsd.targets`) and a command (`mmvsd.commands`). The real command
-line, run in that environment, finds them all: every registry is read after the plugins load."""
+under `mmvsd.plugins` registers a suite (a copy of gsm8k), a `--drafter` kind (a copy of `ngram`), an objective
+term (a copy of `ce`) and an engine (mmvsd's plain decoding under another name, for `bench` and `regenerate`), with
+a named target (`mmvsd.targets`) and a command (`mmvsd.commands`). The real command line, run in that environment,
+finds them all: every registry is read after the plugins load."""
 
 from __future__ import annotations
 
@@ -22,10 +23,14 @@ REGISTRIES = '''
 import dataclasses
 from pathlib import Path
 
+from mmvsd.decoding.decode import vanilla_generate
+from mmvsd.decoding.engines import Engine, register_engine
 from mmvsd.drafters.ngram import NgramDrafter, parse_ngram_spec
 from mmvsd.drafters.spec import ProposerSpec, register_proposer_spec
+from mmvsd.eval.bench_method import Method
 from mmvsd.eval.suites import BENCHMARKS, register_benchmark
-from mmvsd.target_loader import BuiltinTarget
+from mmvsd.target_loader import BuiltinTarget, load_target
+from mmvsd.training.regenerate import mmvsd_answers
 from mmvsd.training.terms import TERMS, register_term
 
 TARGET_FOLDER = Path({folder!r})
@@ -43,6 +48,41 @@ def bar_target() -> BuiltinTarget:
     return BuiltinTarget("bar-tiny", assemble=lambda: TARGET_FOLDER)
 
 
+class BarAnswers:
+    """Regeneration's answers: mmvsd's own, from a context manager as an engine's subprocess would be."""
+
+    engine = "bar-engine"
+
+    def __init__(self, target) -> None:
+        self.answer = mmvsd_answers(target)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def __call__(self, prompts, budgets, temperature, seeds):
+        return self.answer(prompts, budgets, temperature, seeds)
+
+
+class BarEngine(Engine):
+    name = "bar-engine"
+    summary = "mmvsd's plain decoding under another name"
+    report_note = "Engine: bar (plain decoding only)."
+    batch_one = True
+
+    def load_target(self, spec, dtype, device):
+        return load_target(spec)
+
+    def bench_methods(self, config, target, stack):
+        return [Method("vanilla", lambda prompts, cfg: vanilla_generate(target, prompts, cfg), own_loop=True)]
+
+    def answers(self, target, options):
+        return BarAnswers(target)
+
+
+register_engine(BarEngine())
 register_benchmark("bar_gsm8k", dataclasses.replace(BENCHMARKS["gsm8k"], load=bar_items), suites=("barsuite",))
 register_proposer_spec(ProposerSpec("barngram", lambda spec, target: bar_ngram(spec), check=bar_ngram))
 register_term(dataclasses.replace(TERMS["ce"], name="barce"))
@@ -118,6 +158,25 @@ def test_bench_runs_the_plugins_suite_with_its_drafter_kind_on_its_target(venv, 
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert {row["benchmark"] for row in rows} == {"bar_gsm8k", "average"}
     assert "tree:barngram:max_n=3" in {row["method"] for row in rows}
+
+
+def test_bench_and_regenerate_decode_with_the_plugins_engine(venv, tmp_path):
+    out = tmp_path / "bench"
+    done = mmvsd(venv, "bench", "--no-progress", "--suite", "barsuite", "--limit", "1", "--max-new-tokens", "4",
+                 "--target", "bar-tiny", "--engine", "bar-engine", "--methods", "vanilla", "--out", str(out))
+    assert done.returncode == 0, done.stderr
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert {(row["benchmark"], row["method"]) for row in rows} == {("bar_gsm8k", "vanilla"), ("average", "vanilla")}
+    assert "Engine: bar (plain decoding only)." in (out / "table.md").read_text()
+    chats = tmp_path / "chats.json"
+    chats.write_text(json.dumps([{"id": "0", "conversations": [{"from": "human", "value": "w5 w6"},
+                                                                {"from": "gpt", "value": "w7 w8 w9"}]}]))
+    regen = mmvsd(venv, "regenerate", "--target", "bar-tiny", "--data", str(chats), "--output", str(tmp_path / "regen"),
+                  "--engine", "bar-engine", "--max-new-tokens", "4")
+    assert regen.returncode == 0, regen.stderr
+    assert json.loads((tmp_path / "regen" / "manifest.json").read_text())["key"]["engine"] == "bar-engine"
+    wrong = mmvsd(venv, "bench", "--suite", "barsuite", "--engine", "nope", "--target", "bar-tiny")
+    assert wrong.returncode == 2 and "choose one of mmvsd, bar-engine, llama.cpp" in wrong.stderr
 
 
 def test_eval_drafter_reads_the_plugins_benchmark_as_a_prompt_set(venv):

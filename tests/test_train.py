@@ -294,7 +294,7 @@ def test_bf16_and_on_policy_regeneration(setup, tmp_path, capsys, monkeypatch):
         assert answers and answers[0] != original[record["conv_id"]]["conversations"][1]["value"]
 
 
-@pytest.mark.parametrize("name", sorted(p.stem for p in (Path(__file__).parents[1] / "configs").glob("*.yaml")
+@pytest.mark.parametrize("name", sorted(p.stem for p in (Path(__file__).parents[1] / "mmvsd" / "configs").glob("*.yaml")
                                         if p.stem != "accelerate_zero2"))
 def test_every_shipped_training_config_resolves(name):
     """The configs in mmvsd/configs/ (by name, as `--config NAME` finds them) hold only known keys and valid values
@@ -304,7 +304,7 @@ def test_every_shipped_training_config_resolves(name):
 
 
 def _shipped_config(name: str) -> str:
-    return (Path(__file__).parents[1] / "configs" / f"{name}.yaml").read_text()
+    return (Path(__file__).parents[1] / "mmvsd" / "configs" / f"{name}.yaml").read_text()
 
 
 def test_target_loads_on_the_training_device(setup, tmp_path, capsys, monkeypatch):
@@ -313,8 +313,8 @@ def test_target_loads_on_the_training_device(setup, tmp_path, capsys, monkeypatc
     target, data = setup
     devices, accelerators = [], []
     real_load, real_accelerator = trainer.load_target, trainer._accelerator
-    monkeypatch.setattr(trainer, "load_target", lambda spec, dtype, device, exact: devices.append(device)
-                        or real_load(spec, dtype=dtype, device=device, exact=exact))
+    monkeypatch.setattr(trainer, "load_target", lambda spec, dtype, device: devices.append(device)
+                        or real_load(spec, dtype=dtype, device=device))
     monkeypatch.setattr(trainer, "_accelerator", lambda *args: accelerators.append(real_accelerator(*args))
                         or accelerators[-1])
     code, err = train_cli(capsys, target, data, tmp_path / "out", "max_steps=1", "target_dtype=bf16")
@@ -343,7 +343,7 @@ def test_target_engine_chooses_decoding_s_exact_kernels_or_torch_s(setup, tmp_pa
 
 
 def test_a_target_with_the_cpu_engine_is_refused_on_a_gpu(setup, tmp_path, monkeypatch):
-    """A bf16 target loaded on the CPU carries the exact engine, whose packed weights cannot run on a GPU:
+    """A bf16 target loaded on the CPU carries the exact kernels, whose packed weights cannot run on a GPU:
     training it there is one clear error, not a kernel's traceback."""
     from types import SimpleNamespace
 
@@ -361,7 +361,7 @@ def test_a_target_with_the_cpu_engine_is_refused_on_a_gpu(setup, tmp_path, monke
     monkeypatch.setattr(trainer, "_accelerator", on_a_gpu)
     config = load_train_config(None, {"target": str(target_dir), "data": str(data), "output": str(tmp_path / "o")},
                                [*TINY, "max_steps=1"])
-    with pytest.raises(UserError, match="carries the CPU's exact engine"):
+    with pytest.raises(UserError, match="carries the CPU's exact kernels"):
         trainer.train(config, target=target)
 
 

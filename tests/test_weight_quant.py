@@ -10,8 +10,8 @@ from torch import nn
 
 from conftest import random_prompts, save_tiny_target
 from mmvsd.decoding import weight_quant
+from mmvsd.decoding.cpu_kernels import install_exact_engine, packed_linear
 from mmvsd.decoding.decode import DecodeConfig, speculative_generate, vanilla_generate
-from mmvsd.decoding.engine import install_exact_engine, packed_linear
 from mmvsd.decoding.tree import TreeShape
 from mmvsd.decoding.weight_quant import GROUP, QuantizedLinear, dequantize_int4, dequantize_int8, quantize_module
 from mmvsd.drafters.draft_model import parse_draft_spec

@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from mmvsd.decoding.cpu_kernels import pack_for_cpu, packed_linear
 from mmvsd.decoding.draft_session import DraftInputs, concat_pairs, select_pairs
-from mmvsd.decoding.engine import pack_for_cpu, packed_linear
 from mmvsd.decoding.kv import sequence_block
 from mmvsd.decoding.weight_quant import FORMATS, format_available, format_dtypes, quantize_module
 from mmvsd.errors import UserError
@@ -167,7 +167,7 @@ def runnable_default(spec: str, target: Target) -> str:
 
 def load_draft_model(spec: str, target: Target) -> DraftModel:
     """The draft model `--drafter model:NAME[@int4|@int8]` names (a built-in target name, a folder or a .gguf
-    file), in the target's dtype on its device (never on the exact engine: its numbers never reach the output;
+    file), in the target's dtype on its device (never on the exact kernels: its numbers never reach the output;
     bf16 on a CPU runs on oneDNN's packed kernels, and with `@int4`/`@int8` its small forwards on those weights,
     `mmvsd.decoding.weight_quant`), checked to share the target's tokenizer."""
     name, quant = parse_draft_spec(spec)

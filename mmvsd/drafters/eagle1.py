@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from mmvsd.decoding.engine import packed_linear
+from mmvsd.decoding.cpu_kernels import packed_linear
 from mmvsd.decoding.kv import RaggedCache
 from mmvsd.drafter_base import (
     Drafter,
@@ -252,7 +252,7 @@ class Eagle1Drafter(Drafter):
         hidden = hidden[..., : self.config.hidden_size].to(head.weight.dtype)
         if torch.is_grad_enabled():  # training: gradients reach the drafter's states, never the target's head
             return F.linear(hidden, head.weight.detach())
-        return head(hidden)  # decoding: the head as the target runs it (the exact engine's packed kernel)
+        return head(hidden)  # decoding: the head as the target runs it (the exact kernels' packed linear)
 
     def draft_head(self) -> nn.Module:
         """The draft vocabulary's rows of the target's LM head as a linear layer (on oneDNN's packed kernel where the
@@ -263,7 +263,7 @@ class Eagle1Drafter(Drafter):
         if self._head_rows is None or self._head_rows[0] != source:
             rows = nn.Linear(self.config.hidden_size, ids.numel(), bias=False, device="meta")
             rows.weight = nn.Parameter(weight.index_select(0, ids.to(weight.device)).contiguous(), requires_grad=False)
-            packed = getattr(self.lm_head, "packed", None) is not None  # the target's head on the exact engine's kernel
+            packed = getattr(self.lm_head, "packed", None) is not None  # the target's head on the exact packed linear
             self._head_rows = source, packed_linear(rows) if packed else rows
         return self._head_rows[1]
 

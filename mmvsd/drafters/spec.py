@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mmvsd.decoding.engine import pack_for_cpu
+from mmvsd.decoding.cpu_kernels import pack_for_cpu
 from mmvsd.drafter_base import Drafter, drafter_class, load_drafter
 from mmvsd.drafters.draft_model import PREFIX as DRAFT_MODEL
 from mmvsd.drafters.draft_model import load_draft_model, runnable_default
@@ -109,7 +109,7 @@ def neural_drafter_from_spec(spec: str, target, seed: int = 0) -> Drafter | None
         drafter = load_drafter(resolve_drafter(spec, target.name), target)
     else:
         drafter = load_drafter(spec, target)
-    if target.engine != "stock":  # a CPU target on the exact engine: its drafter on the packed kernels too
+    if target.engine != "stock":  # a CPU target on the exact kernels: its drafter on the packed kernels too
         pack_for_cpu(drafter, fp32=True)
     return drafter
 

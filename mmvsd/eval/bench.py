@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from mmvsd.adapter_base import Prompt
 from mmvsd.decoding.decode import DecodeConfig, SequenceResult, speculative_generate, vanilla_generate
+from mmvsd.decoding.engines import get_engine
 from mmvsd.decoding.shape_policy import AcceptanceStats
 from mmvsd.drafters.draft_model import PREFIX as DRAFT_MODEL
 from mmvsd.drafters.draft_model import load_draft_model
@@ -54,10 +55,8 @@ from mmvsd.eval.suites import (
     synthetic_note,
 )
 from mmvsd.files import jsonl_lines
-from mmvsd.placement import placement
 from mmvsd.shipped import has_default
 from mmvsd.target import Target
-from mmvsd.target_loader import load_target
 from mmvsd.tree_options import tree_shape
 
 RECORDS = "records.jsonl"
@@ -331,22 +330,13 @@ def run_bench(config: BenchConfig, target: Target | None = None, resume: bool = 
     names = resolve_suite(config.suite)
     for note in filter(None, map(synthetic_note, names)):
         print(f"mmvsd: note: {note}", file=sys.stderr)
-    if target is None:  # another engine decodes: mmvsd's target only tokenizes and explains mismatches (fp32)
-        dtype = "fp32" if config.engine != "mmvsd" and config.dtype == "auto" else config.dtype
-        target = load_target(config.target_name(), *placement(config.device, dtype))
-    with ExitStack() as servers:  # the llama.cpp engine's servers stop here, on errors and Ctrl-C too
-        methods = sorted(engine_methods(config, target, servers), key=lambda m: m.name != "vanilla")
+    engine = get_engine(config.engine)
+    if target is None:  # in the precision and kernels that engine needs (another engine's only tokenizes)
+        target = engine.load_target(config.target_name(), config.dtype, config.device)
+    with ExitStack() as servers:  # an engine's subprocesses stop here, on errors and Ctrl-C too
+        methods = sorted(engine.bench_methods(config, target, servers), key=lambda m: m.name != "vanilla")
         run_methods(config, target, methods, out_dir, progress)
     return out_dir
-
-
-def engine_methods(config: BenchConfig, target: Target, servers: ExitStack) -> list[Method]:
-    """The rows of `config.engine`: mmvsd's own methods, or llama.cpp's (each a server `servers` stops)."""
-    if config.engine == "mmvsd":
-        return build_methods(config, target)
-    from mmvsd.eval.llamacpp_bench import llamacpp_methods  # the llama.cpp engine: loaded when chosen
-
-    return llamacpp_methods(config, target, servers)
 
 
 def run_methods(config: BenchConfig, target: Target, methods: list[Method], out_dir: Path, progress: bool) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mmvsd.eval.bench_config import ENGINES, METHODS, BenchConfig
+from mmvsd.eval.bench_config import METHODS, BenchConfig
 from mmvsd.placement import add_placement_arguments
 from mmvsd.tree_options import add_tree_arguments, tree_spec
 
@@ -43,10 +43,10 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
     add_tree_arguments(p, default="auto", many=True)
     p.add_argument("--assistant", default="", help="draft model with the target's tokenizer, for --methods assisted")
-    p.add_argument("--engine", choices=ENGINES, default=defaults.engine,
-                   help="where the methods decode: mmvsd's own loop, or llama.cpp (llama-server subprocesses on the "
-                        "target's GGUF file; methods vanilla, pld = its n-gram lookup, assisted, tree = a chain "
-                        "drafted by each --drafter; needs mmvsd[llamacpp])")
+    p.add_argument("--engine", default=defaults.engine,
+                   help="where the methods decode, by name: mmvsd (its own loop), llama.cpp (llama-server "
+                        "subprocesses on the target's GGUF file; methods vanilla, pld = its n-gram lookup, assisted, "
+                        "tree = a chain drafted by each --drafter; needs mmvsd[llamacpp]), or a plugin's engine")
     p.add_argument("--chain", default=defaults.chain,
                    help="--engine llama.cpp: the drafted chain, N/PMIN (up to N tokens, stopping below draft "
                         "probability PMIN), llama for llama.cpp's defaults, or auto: planned per drafter from "

@@ -9,7 +9,6 @@ from mmvsd.eval.suites import is_multimodal, resolve_suite
 from mmvsd.tree_options import tree_parts
 
 METHODS = ("vanilla", "hf", "pld", "assisted", "tree")
-ENGINES = ("mmvsd", "llama.cpp")  # where the methods decode
 
 
 @dataclass
@@ -31,16 +30,16 @@ class BenchConfig:
     out: str = "bench-results"
     device: str = "auto"  # where the target (and every method) runs: auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | fp32 | bf16 | fp16 (auto: bf16 on a GPU, fp32 on the CPU)
-    engine: str = "mmvsd"  # mmvsd (its own loop) | llama.cpp (llama-server subprocesses, `mmvsd.eval.llamacpp_bench`)
+    engine: str = "mmvsd"  # where the methods decode, by name (mmvsd.decoding.engines: mmvsd, llama.cpp, plugins')
     chain: str = "llama"  # llama.cpp rows: draft length N/PMIN (n_max, p_min), or llama (llama.cpp's defaults)
 
     def validate(self) -> None:
+        from mmvsd.decoding.engines import get_engine  # the plugins' engines too: a run's check, not the parser's
+
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise UserError(f"unknown method(s) {', '.join(unknown)}; valid: {', '.join(METHODS)}")
-        if self.engine not in ENGINES:
-            raise UserError(f"--engine {self.engine!r}: choose one of {', '.join(ENGINES)}")
-        if self.engine != "mmvsd" and self.batch_size != 1:
+        if get_engine(self.engine).batch_one and self.batch_size != 1:
             raise UserError(f"--engine {self.engine} decodes one prompt at a time: drop --batch-size")
         if "vanilla" not in self.methods:
             raise UserError("--methods must include vanilla: it is the speed-up denominator")
@@ -58,15 +57,13 @@ class BenchConfig:
     def check_names(self) -> None:
         """UserError for a drafter, an adapter or an engine's file that names nothing (before a target loads)."""
         from mmvsd.adapters import check_adapter  # torch: a run's check, not the parser's
+        from mmvsd.decoding.engines import get_engine  # likewise
         from mmvsd.drafters.spec import check_drafter_spec  # likewise
 
         check_adapter(self.adapter)
         for spec in self.drafters:
             check_drafter_spec(spec, self.target_name())
-        if self.engine != "mmvsd":
-            from mmvsd.eval.llamacpp_bench import check_llamacpp_config  # the llama.cpp engine: when chosen
-
-            check_llamacpp_config(self)
+        get_engine(self.engine).check_bench(self)
 
     def target_name(self) -> str:
         """The target to load: as given, else smol-llava for suites with images and smollm2-135m for text."""

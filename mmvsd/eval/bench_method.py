@@ -1,5 +1,5 @@
 """A bench row: a named way of generating (prompts -> results), whichever engine decodes it (`mmvsd.eval.bench`
-builds mmvsd's own, `mmvsd.eval.llamacpp_bench` llama.cpp's)."""
+builds mmvsd's own, `mmvsd.engines.llamacpp_bench` llama.cpp's)."""
 
 from __future__ import annotations
 

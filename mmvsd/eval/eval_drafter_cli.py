@@ -9,7 +9,7 @@ import time
 
 from mmvsd.errors import UserError
 from mmvsd.files import atomic_file
-from mmvsd.placement import add_placement_arguments, placement, positive_int
+from mmvsd.placement import add_placement_arguments, positive_int
 from mmvsd.tree_options import add_ngram_argument, add_tree_arguments, tree_for_prompts, tree_spec_from_args
 
 
@@ -60,14 +60,14 @@ def check_eval_drafter_args(args: argparse.Namespace) -> tuple[str, str]:
 def run_eval_drafter(args: argparse.Namespace) -> None:
     """`mmvsd eval-drafter`: greedy continuations (cached), then the replayed acceptance report."""
     from mmvsd.decoding.decode import make_shape  # CLI start-up: loaded per command
+    from mmvsd.decoding.engines import DEFAULT_ENGINE, get_engine  # CLI start-up: loaded per command
     from mmvsd.decoding.tree import TreeShape  # CLI start-up: loaded per command
     from mmvsd.drafters.spec import drafter_from_spec  # CLI start-up: loaded per command
     from mmvsd.prompts import load_eval_prompts, prompt_domains  # CLI start-up: loaded per command
-    from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
     from mmvsd.training import acceptance  # CLI start-up: loaded per command
 
     tree, spec = check_eval_drafter_args(args)
-    target = load_target(args.target, *placement(args.device, args.dtype))
+    target = get_engine(DEFAULT_ENGINE).load_target(args.target, args.dtype, args.device)
     drafter = drafter_from_spec(spec, target, args.seed, ngram=args.ngram)
     prompts = load_eval_prompts(target, args.prompt_file, args.limit, args.adapter)
     # the trees auto plans from this machine's costs; its speed guard's plain steps are not replayed

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from mmvsd.errors import UserError
 from mmvsd.files import atomic_file
-from mmvsd.placement import add_placement_arguments, half_precision_warning, placement, positive_int
+from mmvsd.placement import add_placement_arguments, half_precision_warning, positive_int
 from mmvsd.prompts import read_prompt_file
 from mmvsd.tree_options import add_ngram_argument, add_tree_arguments, tree_for_prompts, tree_spec_from_args
 
@@ -54,10 +54,10 @@ def run_generate(args: argparse.Namespace) -> None:
         speculative_generate,
         vanilla_generate,
     )
+    from mmvsd.decoding.engines import DEFAULT_ENGINE, get_engine  # CLI start-up: loaded per command
     from mmvsd.decoding.shape_policy import AcceptanceStats  # CLI start-up: loaded per command
     from mmvsd.drafters.spec import check_drafter_spec, drafter_from_spec  # CLI start-up: loaded per command
     from mmvsd.shipped import implicit_drafter_spec  # CLI start-up: loaded per command
-    from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
 
     texts = read_prompt_file(args.prompt_file) if args.prompt_file else [args.prompt]
     if any(not t.strip() for t in texts):
@@ -70,7 +70,7 @@ def run_generate(args: argparse.Namespace) -> None:
     args.drafter = args.drafter or implicit_drafter_spec(args.target)
     check_drafter_spec(args.drafter, args.target, args.ngram)
     check_adapter(args.adapter or "")
-    target = load_target(args.target, *placement(args.device, args.dtype))
+    target = get_engine(DEFAULT_ENGINE).load_target(args.target, args.dtype, args.device)
     drafter = drafter_from_spec(args.drafter, target, args.seed, ngram=args.ngram)
     warning = half_precision_warning(target) if drafter is not None else None
     if warning:

@@ -7,7 +7,7 @@ import argparse
 
 from mmvsd.errors import UserError
 from mmvsd.layouts.export_cli import add_export_parser
-from mmvsd.placement import add_placement_arguments, placement, positive_int
+from mmvsd.placement import add_placement_arguments, positive_int
 from mmvsd.tree_options import add_ngram_argument
 
 
@@ -81,15 +81,15 @@ def run_profile(args: argparse.Namespace) -> None:
     from mmvsd.decoding.cost_cache import cost_table_path, load_cost_table  # CLI start-up: loaded per command
     from mmvsd.decoding.cost_plot import plot_cost_table  # CLI start-up: loaded per command
     from mmvsd.decoding.costs import format_cost_table  # CLI start-up: loaded per command
+    from mmvsd.decoding.engines import DEFAULT_ENGINE, get_engine  # CLI start-up: loaded per command
     from mmvsd.decoding.fingerprints import cost_key  # CLI start-up: loaded per command
     from mmvsd.drafters.spec import check_drafter_spec, drafter_from_spec  # CLI start-up: loaded per command
-    from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
 
     if args.plot and not args.plot.lower().endswith(".png"):
         raise UserError(f"--plot must name a .png file, got {args.plot!r}")
     check_drafter_spec(args.drafter, args.target, args.ngram)
     batch_sizes = tuple(sorted(set(args.batch_size or [1])))
-    target = load_target(args.target, *placement(args.device, args.dtype))
+    target = get_engine(DEFAULT_ENGINE).load_target(args.target, args.dtype, args.device)
     drafter = drafter_from_spec(args.drafter, target, ngram=args.ngram)
     table = load_cost_table(target, drafter, batch_sizes, refresh=args.refresh)
     print(format_cost_table(table))

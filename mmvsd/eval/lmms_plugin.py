@@ -51,7 +51,6 @@ from mmvsd.adapter_base import ModalityAdapter, Prompt
 from mmvsd.adapters import choose_adapter
 from mmvsd.errors import UserError
 from mmvsd.files import atomic_file
-from mmvsd.placement import placement
 from mmvsd.shipped import has_default
 from mmvsd.tree_options import tree_for_prompts, tree_spec
 
@@ -145,9 +144,9 @@ class MmvsdLmms(lmms):
         if str(batch_size) != "1":
             raise UserError(f"--model {MODEL_NAME} decodes one request at a time (tau and wall time are per "
                             f"sample): use batch_size 1, not {batch_size}")
+        from mmvsd.decoding.engines import DEFAULT_ENGINE, get_engine  # likewise
         from mmvsd.drafters.spec import drafter_from_spec  # transformers-backed: see the module docstring
         from mmvsd.eval.bench import TreeGenerate  # likewise
-        from mmvsd.target_loader import load_target  # likewise
 
         self.temperature = float(temperature)
         self.max_new_tokens = int(max_new_tokens)
@@ -156,7 +155,7 @@ class MmvsdLmms(lmms):
         self.records: list[dict[str, Any]] = []
         parts = (int(value) or None for value in (tree_budget, tree_depth, tree_topk))  # 0: not given
         self.tree = tree_spec(str(tree) or None, *parts, names=TREE_ARGS)  # resolved per request's kind
-        self.target = load_target(str(target), *placement(device or "auto", dtype))
+        self.target = get_engine(DEFAULT_ENGINE).load_target(str(target), dtype, device or "auto")
         drafter = str(drafter) or ("default" if has_default(str(target)) else "none")
         self.drafter = drafter_from_spec(drafter, self.target, self.seed)
         # speculative decoding that learns the auto shape's acceptance across requests, per temperature

@@ -3,7 +3,8 @@
     mmvsd regenerate --target smollm2-135m --data sharegpt --output ~/regen/smollm2-greedy --engine llama.cpp
     mmvsd train --target smollm2-135m --data ~/regen/smollm2-greedy ...
 
-The work itself: `mmvsd.training.regenerate_shards`; the llama.cpp engine: `mmvsd.eval.llamacpp_answers`.
+The work itself: `mmvsd.training.regenerate_shards`; the engines, by name: `mmvsd.decoding.engines` (mmvsd's own exact
+loop, llama.cpp's server, a plugin's).
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ import contextlib
 from pathlib import Path
 
 from mmvsd.errors import UserError
-from mmvsd.placement import add_placement_arguments, placement, positive_int
+from mmvsd.placement import add_placement_arguments, positive_int
 
-ENGINES = ("mmvsd", "llama.cpp")
 SLOT_MARGIN = 32  # tokens of a llama.cpp slot past prompt + answer
 
 
@@ -39,9 +39,9 @@ def add_regenerate_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=positive_int, default=64, help="conversations in flight (mmvsd engine)")
     p.add_argument("--shard-size", type=positive_int, default=256, help="conversations per shard file")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--engine", choices=ENGINES, default="mmvsd",
+    p.add_argument("--engine", default="mmvsd",
                    help="mmvsd: its exact decoding (images too); llama.cpp: llama-server on the target's GGUF file, "
-                        "faster on a CPU, text only, not bit-identical at near-ties")
+                        "faster on a CPU, text only, not bit-identical at near-ties; or a plugin's engine")
     p.add_argument("--parallel", type=positive_int, default=8, help="llama.cpp slots decoding together")
     p.add_argument("--threads", type=int, default=0, help="llama.cpp threads (0: its default)")
     p.add_argument("--store", default="",
@@ -55,10 +55,8 @@ def add_regenerate_command(sub: argparse._SubParsersAction) -> None:
 
 
 def run_regenerate_command(args: argparse.Namespace) -> None:
-    import torch  # CLI start-up: loaded per command
-
     from mmvsd.data.conversations import load_conversations  # CLI start-up: loaded per command
-    from mmvsd.target_loader import load_target  # CLI start-up: loaded per command
+    from mmvsd.decoding.engines import get_engine  # CLI start-up: loaded per command
     from mmvsd.training.dataset import data_specs  # CLI start-up: loaded per command
     from mmvsd.training.media import media_adapter  # CLI start-up: loaded per command
     from mmvsd.training.regenerate_shards import (  # CLI start-up: loaded per command
@@ -72,6 +70,8 @@ def run_regenerate_command(args: argparse.Namespace) -> None:
         raise UserError("--num-conversations and --max-length must be >= 0")
     if args.restore_only and not args.store:
         raise UserError("--restore-only restores from a --store; name one")
+    engine = get_engine(args.engine)
+    engine.check(args.target, {})  # e.g. llama.cpp's GGUF file: refused before the target loads
     if args.store:
         read_store_manifest(Path(args.store).expanduser())  # refused before the target loads
     read_manifest(Path(args.output).expanduser())
@@ -82,39 +82,21 @@ def run_regenerate_command(args: argparse.Namespace) -> None:
                      for conv in load_conversations(spec, limit=args.num_conversations or None,
                                                     image_root=args.image_root or None)]
     conversations = conversations[:args.num_conversations or None]
-    gguf = _gguf_file(args) if args.engine == "llama.cpp" else None  # refused before the target loads
-    dtype, device = placement(args.device, args.dtype)
-    # llama.cpp answers: the target gives its tokenizer and chat template only, so no engine is measured for it
-    target = load_target(args.target, dtype=dtype or torch.float32, device=device, exact=False) if gguf else \
-        load_target(args.target, dtype=dtype, device=device)
     images = any(conv.image for conv in conversations)
+    if images and not engine.media:
+        raise UserError(f"--engine {args.engine} answers text prompts only; regenerate image conversations with "
+                        "--engine mmvsd")
+    target = engine.load_target(args.target, args.dtype, args.device)  # another engine's only tokenizes
     adapter = media_adapter(target, args.adapter) if images else None
+    longest = (settings.max_prompt_tokens or target.max_positions) + settings.max_new_tokens + SLOT_MARGIN
+    answer = engine.answers(target, {"parallel": args.parallel, "threads": args.threads,
+                                     "context_per_slot": min(longest, target.max_positions)})
     with contextlib.ExitStack() as stack:
-        answer, engine = None, ""
-        if args.engine == "llama.cpp":
-            answer = _llama_answers(args, gguf, target, settings)
-            engine = answer.engine  # the cache key's engine: a restore answers nothing, so no server starts
-            answer = answer if args.restore_only else stack.enter_context(answer)
+        key = answer.engine if answer is not None else ""  # the cache key's engine: a restore starts no server
+        if answer is not None and not args.restore_only:
+            answer = stack.enter_context(answer)
         stats = regenerate_dataset(target, conversations, args.output, data=args.data, settings=settings,
-                                   answer=answer, engine=engine, adapter=adapter, estimate_only=args.estimate,
+                                   answer=answer, engine=key, adapter=adapter, estimate_only=args.estimate,
                                    store=args.store or None, restore_only=args.restore_only)
     if not args.estimate:
         print(stats.summary())
-
-
-def _gguf_file(args: argparse.Namespace) -> Path:
-    from mmvsd.target_loader import target_gguf_file  # CLI start-up: loaded per command
-
-    gguf = target_gguf_file(args.target)
-    if gguf is None:
-        raise UserError(f"--engine llama.cpp needs a GGUF target (a built-in one or a .gguf file); {args.target!r} "
-                        "is not: use --engine mmvsd")
-    return gguf
-
-
-def _llama_answers(args: argparse.Namespace, gguf: Path, target, settings):
-    from mmvsd.eval.llamacpp_answers import LlamaCppAnswers  # CLI start-up: loaded per command
-
-    longest = (settings.max_prompt_tokens or target.max_positions) + settings.max_new_tokens + SLOT_MARGIN
-    return LlamaCppAnswers(gguf, parallel=args.parallel, context_per_slot=min(longest, target.max_positions),
-                           threads=args.threads)

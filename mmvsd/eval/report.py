@@ -28,16 +28,6 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 AVERAGE = "average"
-ENGINE_NOTES = {  # what the rows and ratios mean, per engine (`mmvsd bench --engine`)
-    "mmvsd": ("Engine: mmvsd's own loop. tau: kept new tokens / target forwards, bonus token counted. SR: throughput "
-              "ratio to mmvsd's own vanilla loop at the same batch size (SR vs HF / vs prompt lookup: to "
-              "transformers generate / prompt lookup, batch 1)."),
-    "llama.cpp": ("Engine: llama.cpp (llama-server, batch 1; wall time per request, prompt processing included). "
-                  "vanilla: its plain decoding; pld: its n-gram lookup (ngram-simple); assisted: draft-simple with "
-                  "the draft model; chain:X: drafter X's chains. SR: throughput ratio to llama.cpp's plain decoding; "
-                  "SR vs prompt lookup: to its n-gram lookup. drafts accepted: accepted / drafted tokens, as "
-                  "llama.cpp counts them."),
-}
 VANILLA_METHODS = ("vanilla", "vanilla@b1")
 
 
@@ -211,6 +201,16 @@ def benchmark_label(rows: list[Row], benchmark: str) -> str:
     return f"{benchmark} (synthetic)" if row.synthetic else benchmark
 
 
+def engine_note(name: str) -> str:
+    """What the rows and ratios of engine `name` mean (its `report_note`); a generic line for an engine that is
+    not installed here (a results folder from another machine)."""
+    from mmvsd.decoding.engines import ENGINES, engine_names  # the plugins' engines: loaded when a report is written
+
+    engine = ENGINES.get(name) if name in engine_names() else None
+    return (engine.report_note if engine is not None and engine.report_note else
+            f"Engine: {name}. SR: throughput ratio to its own vanilla row.")
+
+
 def markdown_table(rows: list[Row], methods: list[str], engine: str = "mmvsd") -> str:
     """The paper's layout: methods as rows, benchmarks x {SR, tau} as columns, one block per temperature."""
     benchmarks = [b for b in dict.fromkeys(r.benchmark for r in rows) if b != AVERAGE] + [AVERAGE]
@@ -236,7 +236,7 @@ def markdown_table(rows: list[Row], methods: list[str], engine: str = "mmvsd") -
                          f"{_fmt(r.draft_acceptance)} | {_fmt(r.accuracy, 3)} "
                          f"| {'-' if r.lossless_mismatches is None else r.lossless_mismatches} | {_note(r)} |")
         lines.append("")
-    lines.append(ENGINE_NOTES.get(engine, ENGINE_NOTES["mmvsd"]))
+    lines.append(engine_note(engine))
     lines.append("Throughput: total new tokens / total batch wall time. ≠: the output differs "
                  "from vanilla at T=0, so the ratio in brackets is not a speed-up of the same output. refused: the "
                  "method cannot run there (see note). synthetic: mmvsd's offline stand-in for a real task. "

@@ -79,8 +79,8 @@ class TrainConfig:
     target_dtype: str = "fp32"  # fp32 | bf16: the dtype the target computes features in (bf16: ~3x faster
     # on CPUs with AMX/AVX-512-bf16; the drafter then decodes against an fp32 target's slightly different features)
     target_engine: str = "stock"  # stock | exact: a bf16 target on a CPU computes features with torch's stock kernels
-    # or decoding's exact engine (mmvsd.decoding.engine: the same kernels in 32-row chunks, float64 attention), which
-    # training does not need (features 1.3-2x faster with stock on 4 x 512 tokens; they differ in the last bits)
+    # or decoding's exact kernels (mmvsd.decoding.cpu_kernels: the same kernels in 32-row chunks, float64 attention),
+    # which training does not need (features 1.3-2x faster with stock on 4 x 512 tokens; they differ in the last bits)
     init_from_target: bool = False  # start the draft LM head and final norm from the target's (draft-vocab rows)
     seed: int = 0
     max_bad_steps: int = 20  # non-finite losses tolerated (skipped) before the run stops

@@ -58,7 +58,7 @@ def run_draft_vocab(args: argparse.Namespace) -> None:
     from mmvsd.training.dataset import draft_vocab_from_counts, load_examples, token_frequencies  # CLI start-up
 
     read = check_draft_vocab_args(args)
-    target = load_target(args.target, dtype=torch.float32, exact=False)
+    target = load_target(args.target, dtype=torch.float32)
     if args.size > target.vocab_size:
         raise UserError(f"--size {args.size} exceeds {target.name}'s vocabulary of {target.vocab_size} tokens")
     drafter = neural_drafter_from_spec(args.drafter, target)

@@ -9,7 +9,7 @@ already holds the *regenerated* earlier answers.
 Prompts are `Target.encode_chat` of the turns so far: the tokenizer's chat template with the generation
 prompt (the plain `User: ...\\nAssistant: ` format, as training renders it, for tokenizers without one);
 answers come from `mmvsd.decoding.decode.vanilla_generate` (`mmvsd_answers`; another engine can be passed as
-`answer`, e.g. llama.cpp's, mmvsd.eval.llamacpp_answers) and are decoded without special tokens.
+`answer`, e.g. llama.cpp's, mmvsd.engines.llamacpp_answers) and are decoded without special tokens.
 
 Batching: a pool of up to `batch_size` conversations is in flight; each step answers the next
 assistant turn of every conversation in the pool, finished conversations are written to the cache

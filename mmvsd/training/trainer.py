@@ -30,6 +30,7 @@ import yaml
 from tqdm import tqdm
 
 from mmvsd.data.conversations import missing_images_message, parse_dataset_spec, read_conversations
+from mmvsd.decoding.cpu_kernels import decoding_kernels
 from mmvsd.drafter_base import Drafter, drafter_class
 from mmvsd.errors import UserError
 from mmvsd.files import atomic_file
@@ -123,8 +124,8 @@ TARGET_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def load_training_target(config: TrainConfig, device: str) -> Target:
     """The target as `mmvsd train` and `mmvsd prepare` load it: in `target_dtype`, on `device`, with decoding's exact
     engine or torch's kernels (`target_engine`)."""
-    return load_target(config.target, dtype=TARGET_DTYPES[config.target_dtype], device=device,
-                       exact=config.target_engine == "exact")
+    target = load_target(config.target, dtype=TARGET_DTYPES[config.target_dtype], device=device)
+    return decoding_kernels(target) if config.target_engine == "exact" else target
 
 
 def build_drafter(config: TrainConfig, target: Target, train_examples: list) -> Drafter:
@@ -346,7 +347,7 @@ def _placed_target(config: TrainConfig, target: Target | None, accelerator) -> T
     if target is None:
         target = load_training_target(config, str(accelerator.device))
     elif accelerator.device.type != "cpu" and target.engine.startswith("exact"):
-        raise UserError(f"target {target.name} carries the CPU's exact engine and cannot train on "
+        raise UserError(f"target {target.name} carries the CPU's exact kernels and cannot train on "
                         f"{accelerator.device}: load it there (load_target(..., device=...))")
     target.model.to(accelerator.device)
     return target

@@ -1,5 +1,6 @@
-"""The exact CPU engine: half-precision targets whose verify steps compute, row for row, the very bits a
-one-token step computes, so tree decoding equals vanilla decoding token for token (not up to near-ties).
+"""The exact CPU kernels of mmvsd's own decoding engine: half-precision targets whose verify steps compute, row for
+row, the very bits a one-token step computes, so tree decoding equals vanilla decoding token for token (not up to
+near-ties). `decoding_kernels` is the explicit step after loading a target that chooses them.
 
 A bf16 forward over N tokens normally differs from N one-token forwards in the last bits: the GEMM kernels
 pick other blockings for other row counts, and attention sums over caches of other lengths and slot orders.
@@ -218,7 +219,7 @@ def install_exact_engine(target: Target, rows: int, pack: bool | None = None, pa
     and slow). `pad_single=False` only where `_bound_of` measured lone rows to be exact unpadded."""
     packed_fp32 = target.dtype == torch.float32 and bool(pack)
     if target.device.type != "cpu" or not (target.dtype in HALF or packed_fp32):
-        raise ValueError(f"the exact engine is for half-precision CPU targets, or fp32 ones on oneDNN's packed "
+        raise ValueError(f"the exact kernels are for half-precision CPU targets, or fp32 ones on oneDNN's packed "
                          f"kernel, not {target.dtype} on {target.device}")
     pack = _packing_available() and target.dtype == torch.bfloat16 if pack is None else pack
     head = target.model.get_output_embeddings()
@@ -333,7 +334,7 @@ def _bound_of(probe: Target, pack: bool | None = None) -> tuple[int, bool]:
 
 
 def use_exact_engine(target: Target) -> bool:
-    """Install the exact engine on a half-precision CPU target where this CPU allows it (bound >= 2); False
+    """Install the exact kernels on a half-precision CPU target where this CPU allows it (bound >= 2); False
     (stock kernels, equal to vanilla up to near-ties) where it does not."""
     if target.device.type != "cpu" or target.dtype not in HALF:
         return False
@@ -344,9 +345,22 @@ def use_exact_engine(target: Target) -> bool:
     return True
 
 
+def decoding_kernels(target: Target, auto: bool = False) -> Target:
+    """The kernels mmvsd's own decoding runs `target` on, chosen in this explicit step after loading: on a CPU, `auto`
+    (`--dtype auto`, an fp32 target) chooses fp32 or bf16 with the exact kernels by measurement (`choose_cpu_engine`:
+    cached, spot-checked); a half-precision target gets the exact kernels where this CPU allows them. GPU targets,
+    and fp32 ones not `auto`, are returned as they are."""
+    if target.device.type != "cpu":
+        return target
+    if auto:
+        return choose_cpu_engine(target)
+    use_exact_engine(target)
+    return target
+
+
 @torch.no_grad()
 def choose_cpu_engine(target: Target, progress: bool = True) -> Target:
-    """`--dtype auto` on a CPU: the fp32 `target` itself, or a copy on the exact engine, in fp32 (oneDNN's packed
+    """`--dtype auto` on a CPU: the fp32 `target` itself, or a copy on the exact kernels, in fp32 (oneDNN's packed
     kernel) or bf16, where that is exact (bound >= 4) and measured no slower at 1 token and faster at 16; decided
     once per machine and target, and spot-checked on its first use in a process (measured again, and maybe
     flipped, where its timings are off)."""
@@ -357,11 +371,11 @@ def choose_cpu_engine(target: Target, progress: bool = True) -> Target:
         chosen, why = _spot_check(target, choice)
         age_hours = (_now() - float((_read(key) or {}).get("measured_at", 0.0))) / 3600
         if why is not None and age_hours < REMEASURE_HOURS:
-            logger.warning("mmvsd: the engine choice %s looks off on this machine now (%s), a busy machine's timings "
+            logger.warning("mmvsd: the kernel choice %s looks off on this machine now (%s), a busy machine's timings "
                            "perhaps; kept, as it was measured %.1f h ago (again after %g h)", path, why, age_hours,
                            REMEASURE_HOURS)
         elif why is not None:
-            logger.warning("mmvsd: the engine choice %s no longer fits this machine (%s); measuring again",
+            logger.warning("mmvsd: the kernel choice %s no longer fits this machine (%s); measuring again",
                            path, why)
             choice, chosen = None, None
     if choice is None:
@@ -386,11 +400,11 @@ def _cached_choice(key: dict[str, str]) -> EngineChoice | None:
 def _measure_and_cache(target: Target, key: dict[str, str], progress: bool) -> EngineChoice:
     """Measure the choice for `key` on this machine and cache it."""
     if progress:
-        print(f"mmvsd: choosing the precision and engine for {target.name} on this machine (once; cached in "
+        print(f"mmvsd: choosing the precision and kernels for {target.name} on this machine (once; cached in "
               f"{engine_path(key)})", file=sys.stderr, flush=True)
     choice = _measure_choice(target)
     if progress:
-        engine = " on the exact engine" if choice.engine == "exact" else ""
+        engine = " on the exact kernels" if choice.engine == "exact" else ""
         print(f"mmvsd: {target.name} runs in {choice.dtype}{engine} here: {choice.describe()}", file=sys.stderr)
     _write(key, {"dtype": choice.dtype, "engine": choice.engine, "exact_rows": choice.exact_rows,
                  "fp32_ms": list(choice.fp32_ms), "bf16_ms": list(choice.bf16_ms) if choice.bf16_ms else None,
@@ -433,7 +447,7 @@ def _drift(step: str, now_ms: tuple[float, ...], then_ms: tuple[float, ...]) -> 
 
 
 def _engine_copy(target: Target, dtype: str, rows: int, pad_single: bool) -> Target:
-    """A copy of the fp32 `target` on the exact engine in `dtype` ("bfloat16", or "float32" on oneDNN's packed
+    """A copy of the fp32 `target` on the exact kernels in `dtype` ("bfloat16", or "float32" on oneDNN's packed
     kernel) with the bound `rows` (lone rows padded where `pad_single`)."""
     engined = _target_copy(target, getattr(torch, dtype))
     install_exact_engine(engined, rows, pack=True if dtype == "float32" else None, pad_single=pad_single)
@@ -446,13 +460,13 @@ def _target_copy(target: Target, dtype: torch.dtype) -> Target:
 
 
 def _no_slower(candidate: tuple[float, ...], incumbent: tuple[float, ...]) -> bool:
-    """An exact engine replaces the incumbent where it is no slower at one token (vanilla would lose) and faster
+    """Exact kernels replace the incumbent where they are no slower at one token (vanilla would lose) and faster
     at 16."""
     return candidate[0] <= 1.02 * incumbent[0] and candidate[1] < incumbent[1]
 
 
 def _measure_choice(target: Target) -> EngineChoice:
-    """Time stock fp32 and each exact engine this CPU allows (one copy of the target alive at a time: bf16 first, the
+    """Time stock fp32 and each exact kernel this CPU allows (one copy of the target alive at a time: bf16 first, the
     smaller; stock before and after them, its faster timings kept, so a machine that is slow at first does not
     favour an engine), then decide: stock fp32, replaced by the fp32 engine, then by bf16, each where `_no_slower`
     holds."""

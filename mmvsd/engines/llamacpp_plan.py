@@ -19,8 +19,8 @@ from pathlib import Path
 
 from mmvsd.decoding.chain_plan import ChainCosts, ChainPlan, ChainRecorder, plan_chain
 from mmvsd.drafters.spec import drafter_from_spec
+from mmvsd.engines.llamacpp_server import LlamaServer
 from mmvsd.errors import UserError
-from mmvsd.eval.llamacpp_server import LlamaServer
 from mmvsd.eval.suites import load_items, resolve_suite
 from mmvsd.target import Target
 from mmvsd.training.acceptance import evaluate_acceptance, greedy_continuations

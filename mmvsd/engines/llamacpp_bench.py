@@ -23,9 +23,9 @@ from pathlib import Path
 
 from mmvsd.decoding.decode import DecodeConfig, SequenceResult
 from mmvsd.drafters.export_spec import draft_model_name, drafter_folder
+from mmvsd.engines.llamacpp_server import LlamaServer
 from mmvsd.errors import UserError
 from mmvsd.eval.bench_method import Method
-from mmvsd.eval.llamacpp_server import LlamaServer
 from mmvsd.layouts.export import export_drafter
 from mmvsd.target import Target
 from mmvsd.target_loader import target_gguf_file
@@ -35,7 +35,7 @@ METHODS = ("vanilla", "pld", "assisted", "tree")
 NGRAM_ARGS = ("--spec-type", "ngram-simple")
 MEDIA_NOTE = "llama.cpp runs text prompts here: mmvsd's image adapters have no GGUF counterpart"
 DEFAULT_CHAIN = "llama"  # llama.cpp's own n_max / p_min
-AUTO = "auto"  # planned per drafter row (`mmvsd.eval.llamacpp_plan`)
+AUTO = "auto"  # planned per drafter row (`mmvsd.engines.llamacpp_plan`)
 
 
 def chain_args(chain: str) -> list[str]:
@@ -122,7 +122,7 @@ def drafter_rows(config, target: Target) -> list[tuple[str, list[str]]]:
             draft = ["-md", str(out), "--spec-type", "draft-eagle3"]
         chain = config.chain
         if chain == AUTO:
-            from mmvsd.eval.llamacpp_plan import plan_row  # the planner measures and replays: only for auto
+            from mmvsd.engines.llamacpp_plan import plan_row  # the planner measures and replays: only for auto
 
             chain = plan_row(config, target, spec, target_file(config.target_name()), draft).chain()
         rows.append((label, [*draft, *chain_args(chain)]))

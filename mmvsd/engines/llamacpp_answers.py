@@ -14,8 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from mmvsd.adapter_base import Prompt
+from mmvsd.engines.llamacpp_server import LlamaServer
 from mmvsd.errors import UserError
-from mmvsd.eval.llamacpp_server import LlamaServer
 
 
 class LlamaCppAnswers:
