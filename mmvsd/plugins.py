@@ -5,8 +5,9 @@ the entry-point group `mmvsd.plugins`; a registry imports them on its first look
 Two more groups extend mmvsd: `mmvsd.targets` (a named `--target`, mmvsd.target_loader) and `mmvsd.commands` (a
 subcommand of `mmvsd`: the entry point is a function of argparse's subparsers action that adds its parser and sets
 `handler=FUNCTION(args)` on it; `add_commands`). mmvsd's own subcommands are entry points of this group too
-(pyproject.toml), so the core's command line imports nothing above it. The studies (studies/, the distribution
-mmvsd-studies) add the target `smol-llava` and the command `mmvsd lab` this way.
+(pyproject.toml), so the core's command line imports nothing above it, and so is mmvsd's own named target
+`smol-llava` (`mmvsd.targets`). The studies (studies/, the distribution mmvsd-studies) add the command `mmvsd lab`
+this way.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ _state = {"loaded": False}
 # installs it: naming one while its plugin is absent ends in this hint, not in "unknown target" or "invalid choice".
 STUDIES_INSTALL = "pip install -e ./studies  (the studies plugin, mmvsd-studies, in mmvsd's repository)"
 PLUGIN_COMMANDS = {"lab": STUDIES_INSTALL}
-PLUGIN_TARGETS = {"smol-llava": STUDIES_INSTALL}
 
 
 def load_plugins() -> None:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # types only
 
 PromptSetLoader = Callable[["Target", int, str], "list[Prompt]"]  # (target, limit (0: all), adapter name) -> prompts
 PROMPT_SETS: dict[str, PromptSetLoader] = {}
+PROMPT_SET_CHECKS: dict[str, Callable[[], None]] = {}  # name -> UserError when its data is not here (cheap)
 
 
 def read_prompt_file(path: str | Path) -> list[str]:
@@ -58,9 +59,12 @@ def prompt_domains(spec: str, limit: int = 0) -> list[str]:
     return domains[:limit] if limit > 0 else domains
 
 
-def register_prompt_set(name: str, loader: PromptSetLoader) -> None:
-    """Make a prompt set loadable by `name` (`--prompt-file NAME`, `eval_prompts=NAME`)."""
+def register_prompt_set(name: str, loader: PromptSetLoader, check: Callable[[], None] | None = None) -> None:
+    """Make a prompt set loadable by `name` (`--prompt-file NAME`, `eval_prompts=NAME`); `check` raises UserError
+    when its data cannot be read here, without a target (commands call it before one loads)."""
     PROMPT_SETS[name] = loader
+    if check is not None:
+        PROMPT_SET_CHECKS[name] = check
 
 
 def prompt_set_names() -> list[str]:
@@ -79,6 +83,8 @@ def check_eval_prompts(spec: str, limit: int = 0) -> None:
     elif spec not in prompt_set_names():
         names = ", ".join(prompt_set_names())
         raise UserError(f"prompt file not found: {spec} (or name a built-in benchmark: {names})")
+    elif spec in PROMPT_SET_CHECKS:
+        PROMPT_SET_CHECKS[spec]()  # e.g. a real lmms-eval task whose dataset is not on this machine
 
 
 def load_eval_prompts(target: Target, spec: str, limit: int = 0, adapter: str = "") -> list[Prompt]:

@@ -324,6 +324,14 @@ HELD_OUT_FIGURES = {
     "chain_3": "accepted tokens per depth-3 argmax chain (0-3)",
 }
 HELD_OUT_TAU = "tau_"  # + BUDGET_DEPTH_TOPK
+# per domain (held_out["by_domain"]: {"chat": {...}, "math": {...}, "code": {...}}), as public heads report them:
+# `mmvsd eval-drafter --tree 4/3/1` on a prompt file whose rows name their domain
+DOMAIN_FIGURES = {
+    "prompts": "prompts",
+    "first_token": "first draft token accepted",
+    "chain_3": "accepted tokens per depth-3 chain (0-3)",
+    "tau_4_3_1": "tau, depth-3 chain",
+}
 
 
 def held_out_tau_key(tree: str) -> str:
@@ -345,6 +353,12 @@ def missing_card_info(manifest: dict) -> list[str]:
         missing += [f"held_out.{key}" for key in (*HELD_OUT_FIGURES, "prompts", "command") if key not in held_out]
         if not any(key.startswith(HELD_OUT_TAU) for key in held_out):
             missing.append(f"held_out.{HELD_OUT_TAU}BUDGET_DEPTH_TOPK")
+        by_domain = held_out.get("by_domain")
+        if by_domain is not None:
+            missing += [f"held_out.by_domain.{key}" for key in ("domains", "command") if key not in by_domain]
+            missing += [f"held_out.by_domain.domains.{name}.{key}"
+                        for name, figures in by_domain.get("domains", {}).items()
+                        for key in DOMAIN_FIGURES if key not in figures]
     return missing
 
 
@@ -360,6 +374,15 @@ def _held_out_lines(held_out) -> list[str]:
     lines += [f"| {label} | {_figure(held_out[key])} |" for key, label in _held_out_labels(held_out).items()]
     if held_out.get("machine"):
         lines += ["", f"Measured on: {held_out['machine']}."]
+    by_domain = held_out.get("by_domain")
+    if by_domain:
+        lines += ["", f"Per domain, at T = 0 (`{by_domain['command']}`):", "",
+                  "| domain | " + " | ".join(DOMAIN_FIGURES.values()) + " |",
+                  "| --- |" + " --- |" * len(DOMAIN_FIGURES)]
+        lines += [f"| {name} | " + " | ".join(_figure(figures[key]) for key in DOMAIN_FIGURES) + " |"
+                  for name, figures in by_domain["domains"].items()]
+        if by_domain.get("machine"):
+            lines += ["", f"Measured on: {by_domain['machine']}."]
     return lines
 
 

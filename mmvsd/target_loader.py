@@ -20,7 +20,7 @@ import torch
 from mmvsd.checkpoints import hf_cache_snapshot, hf_hub_cache
 from mmvsd.errors import UserError
 from mmvsd.files import atomic_dir, atomic_file, cache_root
-from mmvsd.plugins import PLUGIN_TARGETS, load_plugins
+from mmvsd.plugins import load_plugins
 from mmvsd.target import Target
 
 
@@ -120,6 +120,7 @@ def load_target(spec: str, dtype: torch.dtype | None = torch.float32, device: st
 
 def resolve_target_folder(spec: str) -> Path:
     """A local folder with config.json + weights (+ tokenizer) for `spec`, converting GGUF once."""
+    check_target_spec(spec)
     builtins = builtin_targets()
     if spec in builtins:
         builtin = builtins[spec]
@@ -132,20 +133,27 @@ def resolve_target_folder(spec: str) -> Path:
         return _hf_cache_folder(builtin.hf_id, builtin.install_hint)
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
-        if not path.is_file():
-            raise UserError(f"GGUF file not found: {path}")
         return _gguf_folder(path, path.stem)
     if path.is_dir():
+        return path
+    return _hf_cache_folder(spec, f"download {spec} into the HF cache, or pass a local folder")
+
+
+def check_target_spec(spec: str) -> None:
+    """UserError for a target (or draft model) `spec` that names nothing: not a named target, a folder with a
+    config.json, a .gguf file or an HF id. Cheap: nothing loads or converts, so commands check it first."""
+    if spec in builtin_targets():
+        return
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise UserError(f"GGUF file not found: {path}")
+    elif path.is_dir():
         if not (path / "config.json").is_file():
             raise UserError(f"target folder {path} has no config.json")
-        return path
-    if "/" in spec and not spec.startswith((".", "/", "~")) and spec.count("/") == 1:
-        return _hf_cache_folder(spec, f"download {spec} into the HF cache, or pass a local folder")
-    if spec in PLUGIN_TARGETS:
-        raise UserError(f"target {spec!r} comes with a plugin that is not installed; install it with: "
-                        f"{PLUGIN_TARGETS[spec]}")
-    names = ", ".join(sorted(builtins))
-    raise UserError(f"unknown target {spec!r}: not a built-in name ({names}), a folder, a .gguf file or an HF id")
+    elif not ("/" in spec and not spec.startswith((".", "/", "~")) and spec.count("/") == 1):
+        names = ", ".join(sorted(builtin_targets()))
+        raise UserError(f"unknown target {spec!r}: not a built-in name ({names}), a folder, a .gguf file or an HF id")
 
 
 def target_gguf_file(spec: str) -> Path | None:

@@ -12,8 +12,8 @@ import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-# the folders inside mmvsd/ that form layers above the core: the design card's, and engines/ (docs/architecture.md)
-PACKAGE_FOLDERS = ("adapters", "configs", "data", "drafters", "eval", "training", "engines")  # engines: issue 65
+# the folders inside mmvsd/ that form layers above the core: the design card's, engines/ and targets/ (issue 65)
+PACKAGE_FOLDERS = ("adapters", "configs", "data", "drafters", "eval", "training", "engines", "targets")
 
 
 def package_modules() -> dict[str, Path]:

@@ -21,9 +21,10 @@ from test_imports import PACKAGE_FOLDERS, PYPROJECT, ROOT, find_cycle, package_m
 # (layer, rank, what belongs to it); a module may import its own layer's modules and lower ranks' only. The
 # plugin folders may each import the core and themselves, not one another.
 LAYERS = [
-    ("core", 0, re.compile(r"mmvsd(\.(?!eval\b|engines\b|training\b|drafters\b|adapters\b|data\b)\w+.*)?$")),
+    ("core", 0, re.compile(r"mmvsd(\.(?!eval\b|engines\b|training\b|drafters\b|adapters\b|targets\b|data\b)\w+.*)?$")),
     ("drafters", 1, re.compile(r"mmvsd\.drafters\b")),
     ("adapters", 1, re.compile(r"mmvsd\.adapters\b")),
+    ("targets", 1, re.compile(r"mmvsd\.targets\b")),
     ("data", 1, re.compile(r"mmvsd\.data\b")),
     ("training", 2, re.compile(r"mmvsd\.training\b")),
     ("top", 3, re.compile(r"mmvsd\.eval\b")),
@@ -70,7 +71,7 @@ def test_imports_run_one_way(name):
 def test_the_architecture_doc_shows_the_map():
     text = (ROOT / "docs" / "architecture.md").read_text()
     for folder in ("mmvsd/decoding/", "mmvsd/layouts/", "mmvsd/training/", "mmvsd/drafters/", "mmvsd/adapters/",
-                   "mmvsd/data/", "mmvsd/eval/", "studies/"):
+                   "mmvsd/data/", "mmvsd/eval/", "mmvsd/engines/", "mmvsd/targets/", "studies/"):
         assert f"`{folder}`" in text, f"docs/architecture.md's layer map does not place {folder}"
 
 

@@ -1,8 +1,8 @@
 """A plugin as a user ships one: a small distribution, pip-installed into a virtual environment, whose module listed
 under `mmvsd.plugins` registers a suite (a copy of gsm8k), a `--drafter` kind (a copy of `ngram`), an objective
 term (a copy of `ce`) and an engine (mmvsd's plain decoding under another name, for `bench` and `regenerate`), with
-a named target (`mmvsd.targets`) and a command (`mmvsd.commands`). The real command line, run in that environment,
-finds them all: every registry is read after the plugins load."""
+a named target (`mmvsd.targets`), a modality adapter (`mmvsd.adapters`) and a command (`mmvsd.commands`). The real
+command line, run in that environment, finds them all: every registry is read after the plugins load."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ REGISTRIES = '''
 import dataclasses
 from pathlib import Path
 
+from mmvsd.adapters.text import TextAdapter
 from mmvsd.decoding.decode import vanilla_generate
 from mmvsd.decoding.engines import Engine, register_engine
 from mmvsd.drafters.ngram import NgramDrafter, parse_ngram_spec
@@ -46,6 +47,10 @@ def bar_items(limit: int) -> list:
 
 def bar_target() -> BuiltinTarget:
     return BuiltinTarget("bar-tiny", assemble=lambda: TARGET_FOLDER)
+
+
+class BarText(TextAdapter):
+    """A modality adapter of another package (entry point `mmvsd.adapters`): the text adapter under its own name."""
 
 
 class BarAnswers:
@@ -116,6 +121,9 @@ bar-tiny = "mmvsd_bar_plugin.registries:bar_target"
 [project.entry-points."mmvsd.commands"]
 bar = "mmvsd_bar_plugin.cli:add_bar_command"
 
+[project.entry-points."mmvsd.adapters"]
+bar-text = "mmvsd_bar_plugin.registries:BarText"
+
 [tool.setuptools]
 packages = ["mmvsd_bar_plugin"]
 """
@@ -177,6 +185,18 @@ def test_bench_and_regenerate_decode_with_the_plugins_engine(venv, tmp_path):
     assert json.loads((tmp_path / "regen" / "manifest.json").read_text())["key"]["engine"] == "bar-engine"
     wrong = mmvsd(venv, "bench", "--suite", "barsuite", "--engine", "nope", "--target", "bar-tiny")
     assert wrong.returncode == 2 and "choose one of mmvsd, bar-engine, llama.cpp" in wrong.stderr
+
+
+def test_the_plugins_adapter_is_listed_and_accepted_by_the_commands(venv):
+    listed = mmvsd(venv, "adapters", "list")
+    assert listed.returncode == 0, listed.stderr
+    assert "bar-text" in listed.stdout and "mmvsd-bar-plugin" in listed.stdout
+    done = mmvsd(venv, "generate", "--target", "bar-tiny", "--adapter", "bar-text", "--drafter", "none", "--prompt",
+                 "w1 w2", "--max-new-tokens", "3")
+    assert done.returncode == 0, done.stderr
+    wrong = mmvsd(venv, "generate", "--target", "bar-tiny", "--adapter", "bar-nope", "--drafter", "none", "--prompt",
+                  "w1 w2")
+    assert wrong.returncode == 2 and "no modality adapter 'bar-nope'" in wrong.stderr
 
 
 def test_eval_drafter_reads_the_plugins_benchmark_as_a_prompt_set(venv):

@@ -72,6 +72,21 @@ def test_shipped_drafter_loads_by_default_and_by_name(root, trained_folder, tiny
     assert [(d.target, d.name) for d in shipped.list_shipped()] == [("tiny-llama", "eagle3-ce")]
 
 
+def test_a_card_gives_held_out_acceptance_per_domain_and_names_a_missing_figure():
+    """Per-domain figures (chat, math, code; as public heads report them) render as a table under the held-out
+    acceptance; a domain without one of them is a missing card fact, not a silent blank."""
+    domains = {"chat": {"prompts": 20, "first_token": 0.4, "chain_3": 0.55, "tau_4_3_1": 1.5},
+               "math": {"prompts": 20, "first_token": 0.3, "chain_3": 0.4, "tau_4_3_1": 1.4}}
+    held_out = {**INFO["held_out"], "by_domain": {"command": "mmvsd eval-drafter --tree 4/3/1", "domains": domains}}
+    manifest = {**INFO, "name": "eagle3-ce", "target": "tiny-llama", "held_out": held_out}
+    assert not missing_card_info(manifest)
+    card = model_card(manifest)
+    assert "| domain | prompts | first draft token accepted | accepted tokens per depth-3 chain (0-3) | tau, " in card
+    assert "| chat | 20 | 0.400 | 0.550 | 1.500 |" in card and "| math | 20 | 0.300 | 0.400 | 1.400 |" in card
+    del domains["math"]["chain_3"]
+    assert missing_card_info(manifest) == ["held_out.by_domain.domains.math.chain_3"]
+
+
 def test_corrupt_or_missing_files_name_the_file(root, trained_folder, tiny_target):
     folder = ship(trained_folder)
     weights = folder / "model.safetensors"

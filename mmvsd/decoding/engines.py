@@ -36,9 +36,12 @@ class Engine(ABC):
     batch_one: ClassVar[bool] = False  # decodes one prompt at a time (`mmvsd bench --batch-size` must stay 1)
     media: ClassVar[bool] = True  # can take mmvsd's image prompts
 
-    def check(self, target: str, options: dict[str, Any]) -> None:  # noqa: B027  most engines check nothing more
-        """Raise UserError for what this engine cannot run (a target without the file it needs, a missing binary,
+    def check(self, target: str, options: dict[str, Any]) -> None:
+        """Raise UserError for what this engine cannot run (a target that names nothing, or lacks the file it needs;
         a bad engine option), before any model loads. `options`: the command's engine options (`chain`, ...)."""
+        from mmvsd.target_loader import check_target_spec  # the loader's torch: when a command checks its inputs
+
+        check_target_spec(target)
 
     def check_bench(self, config) -> None:
         """Raise UserError for what this engine cannot run of a `mmvsd bench` config (`mmvsd.eval.bench_config`):

@@ -20,7 +20,7 @@ from mmvsd.decoding.kv import sequence_block
 from mmvsd.decoding.weight_quant import FORMATS, format_available, format_dtypes, quantize_module
 from mmvsd.errors import UserError
 from mmvsd.target import Target
-from mmvsd.target_loader import load_target_folder, resolve_target_folder
+from mmvsd.target_loader import check_target_spec, load_target_folder, resolve_target_folder
 
 PREFIX = "model:"
 
@@ -151,6 +151,11 @@ def parse_draft_spec(spec: str) -> tuple[str, str]:
         raise UserError(f"--drafter {spec}: {quant!r} is no weight format; model:NAME@int8 (or @int4) quantises "
                         "the draft model")
     return name, quant
+
+
+def check_draft_spec(spec: str) -> None:
+    """UserError for a `model:` spec that names nothing (its options, or a model that is not there): before loading."""
+    check_target_spec(parse_draft_spec(spec)[0])
 
 
 def quant_applies(quant: str, target: Target) -> bool:

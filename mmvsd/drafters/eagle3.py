@@ -102,7 +102,7 @@ class Eagle3Drafter(Drafter):
         with torch.random.fork_rng(devices=[]):  # a local stream: the caller's global RNG is left as it was
             torch.manual_seed(seed)
             drafter = cls(Eagle3Config.from_target(target, draft_vocab_size), target.input_embeddings)
-            drafter.apply(_init_weights)
+            drafter.apply(init_linear_weights)
         return drafter.to(device=target.device, dtype=target.dtype)
 
     def set_draft_vocab(self, target_ids: Tensor) -> None:
@@ -169,7 +169,8 @@ class Eagle3Drafter(Drafter):
         return drafter.to(device=target.device, dtype=target.dtype).eval()
 
 
-def _init_weights(module: nn.Module) -> None:
+def init_linear_weights(module: nn.Module) -> None:
+    """A fresh drafter's linear layers: weights N(0, 1/in_features) (module.apply; the controls start from it too)."""
     if isinstance(module, nn.Linear):
         nn.init.normal_(module.weight, std=1.0 / math.sqrt(module.in_features))
 

@@ -13,7 +13,7 @@ from typing import Any
 from mmvsd.decoding.cpu_kernels import pack_for_cpu
 from mmvsd.drafter_base import Drafter, drafter_class, load_drafter
 from mmvsd.drafters.draft_model import PREFIX as DRAFT_MODEL
-from mmvsd.drafters.draft_model import load_draft_model, runnable_default
+from mmvsd.drafters.draft_model import check_draft_spec, load_draft_model, runnable_default
 from mmvsd.drafters.hybrid import with_ngram
 from mmvsd.drafters.ngram import NgramDrafter, parse_ngram_spec
 from mmvsd.errors import UserError
@@ -124,4 +124,4 @@ register_proposer_spec(ProposerSpec("none", lambda spec, target: None, check=_no
 register_proposer_spec(ProposerSpec("ngram", lambda spec, target: NgramDrafter(parse_ngram_spec(spec)),
                                     check=parse_ngram_spec))
 register_proposer_spec(ProposerSpec(DRAFT_MODEL.rstrip(":"), load_draft_model, ngram_branches=True,
-                                    as_default=runnable_default))
+                                    as_default=runnable_default, check=check_draft_spec))

@@ -33,15 +33,18 @@ class LlamaCpp(Engine):
     media = False
 
     def check(self, target: str, options: dict[str, Any]) -> None:
+        super().check(target, options)
         target_file(target)
         chain = options.get("chain", "")
         if chain and chain != AUTO:
             chain_args(chain)
 
     def check_bench(self, config) -> None:
+        super().check(config.target_name(), {})
         check_llamacpp_config(config)
 
     def load_target(self, spec: str, dtype: str, device: str) -> Target:
+        self.check(spec, {})  # a target that names nothing, or has no GGUF file: before anything loads
         torch_dtype, device = placement(device, dtype)
         return load_target(spec, torch_dtype or torch.float32, device)  # tokenizes: no kernels to choose
 

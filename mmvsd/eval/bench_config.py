@@ -59,8 +59,11 @@ class BenchConfig:
         from mmvsd.adapters import check_adapter  # torch: a run's check, not the parser's
         from mmvsd.decoding.engines import get_engine  # likewise
         from mmvsd.drafters.spec import check_drafter_spec  # likewise
+        from mmvsd.target_loader import check_target_spec  # likewise
 
         check_adapter(self.adapter)
+        if "assisted" in self.methods:
+            check_target_spec(self.assistant)
         for spec in self.drafters:
             check_drafter_spec(spec, self.target_name())
         get_engine(self.engine).check_bench(self)

@@ -30,12 +30,17 @@ LOCAL_BUILDERS = {"json", "parquet", "csv", "arrow", "text", "imagefolder"}
 
 @contextlib.contextmanager
 def _offline() -> Iterator[None]:
-    """No network while lmms-eval loads a dataset: a dataset that is not cached fails at once."""
+    """No network while lmms-eval loads a dataset: a dataset that is not cached fails at once. Its own log lines
+    (loguru: hundreds of DEBUG lines about its task folders) are off meanwhile; a failure becomes one UserError."""
+    from loguru import logger  # lmms-eval's logger: only the mllm benchmarks need it
+
     saved = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")}
     os.environ.update({k: "1" for k in saved})
+    logger.disable("lmms_eval")
     try:
         yield
     finally:
+        logger.enable("lmms_eval")
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -72,7 +77,8 @@ def _dataset_on_disk(name: str) -> bool:
     from huggingface_hub import snapshot_download  # heavy (~0.2 s): only a real task's dataset is looked up
     from huggingface_hub.errors import LocalEntryNotFoundError  # likewise
 
-    path = str(_task_manager()._get_config(name).get("dataset_path", ""))
+    with _offline():
+        path = str(_task_manager()._get_config(name).get("dataset_path", ""))
     if path in LOCAL_BUILDERS or Path(path).expanduser().exists():
         return True
     try:

@@ -83,7 +83,7 @@ def register_benchmark(name: str, bench: Benchmark, suites: tuple[str, ...] = ()
     for suite in suites:
         members = SUITES.setdefault(suite, [])
         members += [name] if name not in members else []
-    register_prompt_set(name, _prompt_set(name))
+    register_prompt_set(name, _prompt_set(name), check=bench.check)
     return bench
 
 

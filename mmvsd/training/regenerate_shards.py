@@ -205,8 +205,9 @@ def regenerate_dataset(target: Target, conversations: list[Conversation], output
     left = [] if restore_only else [c for shard in pending for c in shard]  # a restore answers nothing
     estimate = _estimate(target, answer, left, settings, adapter, manifest)
     restoring = f", {len(restorable)} to restore from {store}" if store else ""
+    work = "restore only: nothing is answered" if restore_only else estimate.describe()
     print(f"regenerate into {output}: {len(conversations)} conversations in {len(shards)} shards of "
-          f"{settings.shard_size}{restoring}; {estimate.describe()}", flush=True)
+          f"{settings.shard_size}{restoring}; {work}", flush=True)
     free = shutil.disk_usage(_existing_parent(output)).free
     if estimate.disk_bytes > free:
         raise UserError(f"regeneration needs about {estimate.disk_bytes / 1e6:.0f} MB and {output} has "

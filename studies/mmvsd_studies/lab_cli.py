@@ -38,11 +38,11 @@ def add_lab_command(sub: argparse._SubParsersAction) -> None:
 
 def run_lab(args: argparse.Namespace) -> None:
     """`mmvsd lab build-target smol-llava`: train the projector and say where it went."""
+    from mmvsd.targets.smol_llava import built_projector_dir  # CLI start-up: torch only when it runs
     from mmvsd_studies.lab.projector_training import (  # CLI start-up: torch and timm only when it runs
         ProjectorTraining,
         build_projector,
     )
-    from mmvsd_studies.lab.smol_llava import built_projector_dir  # CLI start-up: torch only when it runs
 
     counts = (args.max_steps, args.align_steps, args.lora_rank, args.easy_vqa_images, args.plain_images)
     if min(counts) < 0 or args.minutes <= 0 or args.num_images < 1:

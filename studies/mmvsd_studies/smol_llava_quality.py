@@ -31,13 +31,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from mmvsd.data import easy_vqa
 from mmvsd.data.images import ImageItem, generate_item
-from mmvsd_studies import RESULTS_DIR
-from mmvsd_studies.lab.efficientnet import IMAGE_SIZE
-from mmvsd_studies.lab.plain_shapes import plain_shape_items
-from mmvsd_studies.lab.short_answers import is_right, short_answers
-from mmvsd_studies.lab.smol_llava import (
+from mmvsd.targets.efficientnet import IMAGE_SIZE
+from mmvsd.targets.smol_llava import (
     SHIPPED_PROJECTOR_DIR,
     install_projector,
     load_projector,
@@ -45,6 +41,10 @@ from mmvsd_studies.lab.smol_llava import (
     projector_dir,
     read_manifest,
 )
+from mmvsd_studies import RESULTS_DIR
+from mmvsd_studies.lab import easy_vqa
+from mmvsd_studies.lab.plain_shapes import plain_shape_items
+from mmvsd_studies.lab.short_answers import is_right, short_answers
 
 OWN_KINDS = ("colour", "shape", "count", "chart value", "word")  # "all": the project's own quality benchmark
 KINDS = (*OWN_KINDS, "plain colour")  # per-kind items each

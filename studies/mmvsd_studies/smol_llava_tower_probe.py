@@ -28,15 +28,15 @@ from torch import Tensor
 
 from mmvsd.data.image_families import SHAPE_COLORS, SHAPE_KINDS
 from mmvsd.data.images import ImageItem, generate_items
-from mmvsd_studies import RESULTS_DIR
-from mmvsd_studies.lab.efficientnet import (
+from mmvsd.targets.efficientnet import (
     FOLDED_STAGES,
     feature_map_to_tokens,
     load_efficientnet_lite0,
     patch_feature_map,
 )
+from mmvsd.targets.smol_llava import image_processor
+from mmvsd_studies import RESULTS_DIR
 from mmvsd_studies.lab.projector_questions import BACKGROUND_WORD, patch_words
-from mmvsd_studies.lab.smol_llava import image_processor
 
 COLOURS = [*SHAPE_COLORS, BACKGROUND_WORD]
 KINDS = [*SHAPE_KINDS, BACKGROUND_WORD]

@@ -74,7 +74,7 @@ import torch
 
 from mmvsd.decoding.decode import DecodeConfig, generate_each, speculative_generate, vanilla_generate
 from mmvsd.decoding.tree import TreeShape
-from mmvsd.drafters.eagle3 import Eagle3Config, Eagle3Drafter, _init_weights
+from mmvsd.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_linear_weights
 from mmvsd.shipped import weights_sha256
 from mmvsd.target_loader import load_target
 from mmvsd.training.acceptance import expected_acceptance
@@ -116,7 +116,7 @@ def narrow_drafter_folder(config: ControlConfig, target, out: Path) -> Path:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.arm_seed)
         drafter = Eagle3Drafter(narrow, target.input_embeddings)
-        drafter.apply(_init_weights)
+        drafter.apply(init_linear_weights)
     drafter.save_pretrained(folder)
     return folder
 

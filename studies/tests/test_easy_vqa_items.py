@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from mmvsd.data.easy_vqa import read_split
+from mmvsd_studies.lab.easy_vqa import read_split
 from mmvsd_studies.lab.easy_vqa_items import easy_vqa_items, mask_patch_words, shape_mask
 from mmvsd_studies.lab.projector_questions import BACKGROUND_WORD, extra_questions, item_patch_words
 

@@ -10,9 +10,9 @@ import random
 import numpy as np
 from PIL import Image
 
-from mmvsd.data import easy_vqa
 from mmvsd.data.images import ImageItem
-from mmvsd_studies.lab.efficientnet import IMAGE_SIZE
+from mmvsd.targets.efficientnet import IMAGE_SIZE
+from mmvsd_studies.lab import easy_vqa
 from mmvsd_studies.lab.projector_questions import BACKGROUND_WORD, EASY_VQA_FAMILY, PATCH_GRID
 
 SHAPE_DISTANCE = 60  # an RGB channel this far from the background colour belongs to the shape

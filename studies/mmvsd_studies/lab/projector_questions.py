@@ -14,11 +14,11 @@ from collections import Counter
 import torch
 from torch import Tensor
 
-from mmvsd.data import easy_vqa
 from mmvsd.data.image_charts import chart_answer, chart_question
 from mmvsd.data.image_families import CANVAS_SIZE, SHAPE_COLORS, SHAPE_KINDS, plural
 from mmvsd.data.image_text import text_answer, text_question
 from mmvsd.data.images import ImageItem
+from mmvsd_studies.lab import easy_vqa
 
 EASY_VQA_FAMILY = "easy-vqa"  # the family of items read from the easy-vqa data set (mmvsd_studies.lab.easy_vqa_items)
 PATCH_GRID = 7  # the tower's 7 x 7 head map over the whole (resized, uncropped) canvas

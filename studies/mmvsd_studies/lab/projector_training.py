@@ -37,8 +37,9 @@ from transformers import DynamicCache, LlavaForConditionalGeneration, LlavaProce
 from mmvsd.adapters.llava import patch_embeddings
 from mmvsd.data.images import FAMILIES, ImageItem, answer_sentence, generate_items
 from mmvsd.decoding.cost_measure import timed, typical
+from mmvsd.targets.lora import add_lora, lora_state, merge_lora
+from mmvsd.targets.smol_llava import IMAGE_TOKEN, new_smol_llava, projector, save_projector
 from mmvsd_studies.lab.easy_vqa_items import easy_vqa_items
-from mmvsd_studies.lab.lora import add_lora, lora_state, merge_lora
 from mmvsd_studies.lab.plain_shapes import PLAIN_FAMILY, plain_shape_items
 from mmvsd_studies.lab.projector_questions import (
     ALIGN_WORDS,
@@ -49,7 +50,6 @@ from mmvsd_studies.lab.projector_questions import (
     patch_targets,
     word_vectors,
 )
-from mmvsd_studies.lab.smol_llava import IMAGE_TOKEN, new_smol_llava, projector, save_projector
 
 SHORT_ANSWER = "Answer the question using a single word or phrase."
 LETTER_ANSWER = "Answer with the option's letter from the given choices directly."

@@ -8,9 +8,9 @@ import sys
 import pytest
 from PIL import Image
 
-from mmvsd.data import easy_vqa
-from mmvsd.data.easy_vqa import EasyVqaQuestion, EasyVqaSplit, load_images, read_split, shape_labels
 from mmvsd.errors import UserError
+from mmvsd_studies.lab import easy_vqa
+from mmvsd_studies.lab.easy_vqa import EasyVqaQuestion, EasyVqaSplit, load_images, read_split, shape_labels
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """smol-llava: a real small LLaVA assembled from shipped weights, loadable as ``--target smol-llava``.
 
 Parts: EfficientNet-Lite0 ImageNet weights as the frozen vision tower (49 multi-scale patch tokens of
-2382, one per cell of its 7x7 head map, see ``mmvsd_studies.lab.efficientnet``), SmolLM2-135M-Instruct as the
+2382, one per cell of its 7x7 head map, see ``mmvsd.targets.efficientnet``), SmolLM2-135M-Instruct as the
 language model, and a 2-layer MLP projector trained by ``mmvsd lab build-target smol-llava`` together
 with rank-8 low-rank adapters on the language model's linear layers (merged into its weights when
 loaded). The result is a stock transformers ``LlavaForConditionalGeneration`` with a ``LlavaProcessor``,
@@ -13,7 +13,7 @@ adapters make the weights, and so text-only outputs, differ slightly from ``smol
 
 Projector files: ``projector.safetensors`` (the projector, plus the adapters' factors under ``lora.``)
 and ``projector.json`` (sha256 of the weights, shapes and how they were trained). The trained
-projector ships in the package (``studies/mmvsd_studies/lab/smol_llava/``); a projector built locally goes to
+projector ships in the package (``mmvsd/targets/smol_llava/``); a projector built locally goes to
 ``<mmvsd cache>/smol-llava/`` and takes precedence. Loading verifies the checksum and the shapes,
 then assembles the full model folder once in the cache, keyed by the projector's checksum.
 """
@@ -40,7 +40,7 @@ from transformers import (
 from mmvsd.errors import UserError
 from mmvsd.files import atomic_dir, cache_root, file_sha256
 from mmvsd.target_loader import resolve_target_folder
-from mmvsd_studies.lab.efficientnet import (
+from mmvsd.targets.efficientnet import (
     IMAGE_MEAN,
     IMAGE_SIZE,
     IMAGE_STD,
@@ -48,7 +48,7 @@ from mmvsd_studies.lab.efficientnet import (
     attach_efficientnet,
     smol_llava_config,
 )
-from mmvsd_studies.lab.lora import LORA_PREFIX, apply_lora_state
+from mmvsd.targets.lora import LORA_PREFIX, apply_lora_state
 
 NAME = "smol-llava"
 TEXT_TARGET = "smollm2-135m"

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from mmvsd_studies.lab.lora import TARGET_MODULES, LoRALinear, add_lora, apply_lora_state, lora_state, merge_lora
+from mmvsd.targets.lora import TARGET_MODULES, LoRALinear, add_lora, apply_lora_state, lora_state, merge_lora
 
 
 def tiny_lm() -> LlamaForCausalLM:

@@ -50,7 +50,7 @@ from transformers import (
 )
 
 from mmvsd.errors import UserError
-from mmvsd_studies.lab.names import TOWER_ARCHITECTURE
+from mmvsd.targets.names import TOWER_ARCHITECTURE
 
 __all__ = [
     "TOWER_ARCHITECTURE",
@@ -191,7 +191,7 @@ def mmvsd_efficientnet_lite0(pretrained: bool = False, **kwargs) -> EfficientNet
     """timm entry point for the smol-llava vision tower (weights come from `attach_efficientnet`)."""
     if pretrained:
         raise UserError(f"{TOWER_ARCHITECTURE} has no timm download; use "
-                        "mmvsd_studies.lab.efficientnet.attach_efficientnet")
+                        "mmvsd.targets.efficientnet.attach_efficientnet")
     model = timm.create_model("tf_efficientnet_lite0", pretrained=False, **kwargs)
     model.__class__ = EfficientNetTokens  # adds a method override only: no state to initialise
     model.pretrained_cfg = model.default_cfg = {

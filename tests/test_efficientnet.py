@@ -18,8 +18,8 @@ from transformers import (
 )
 
 from mmvsd.errors import UserError
-from mmvsd_studies.lab import efficientnet
-from mmvsd_studies.lab.efficientnet import (
+from mmvsd.targets import efficientnet
+from mmvsd.targets.efficientnet import (
     EfficientNetTokens,
     attach_efficientnet,
     load_efficientnet_lite0,

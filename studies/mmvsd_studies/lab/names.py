@@ -1,3 +1,0 @@
-"""Names the light entry point (`mmvsd_studies.lab`) and the heavy tower module (`.efficientnet`) share."""
-
-TOWER_ARCHITECTURE = "mmvsd_efficientnet_lite0"  # the timm name of smol-llava's vision tower
