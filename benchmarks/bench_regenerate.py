@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from mmvsd.data.conversations import load_conversations
+from mmvsd.decoding.cpu_kernels import decoding_kernels
 from mmvsd.engines.llamacpp_answers import LlamaCppAnswers
 from mmvsd.target_loader import load_target, target_gguf_file
 from mmvsd.training.regenerate import RegenerateStats, regenerate_conversations
@@ -52,6 +53,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     target = load_target(args.target, dtype=dtype)
+    if args.engine == "mmvsd":  # mmvsd's loop decodes on its kernels (bf16: the exact ones where this CPU has them)
+        target = decoding_kernels(target)
     convs = load_conversations(args.data, limit=args.skip + args.num_conversations)[args.skip:]
     rows = []
     for setting in settings(args):

@@ -136,6 +136,7 @@ def main() -> None:
     args = parse_args()
     torch.manual_seed(0)
     target = load_target(args.target, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    target = cpu_kernels.decoding_kernels(target)  # bf16: the exact kernels where this CPU allows them, as decoding
     sizes = [int(n) for n in args.tokens.split(",")]
     rows = {n: breakdown(target, n, args.context, args.steps) for n in sizes}
     columns = ["wall", "gemm", "attention", "mask+positions", "keep", "lm_head", "other ops",
