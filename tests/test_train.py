@@ -324,18 +324,19 @@ def test_target_loads_on_the_training_device(setup, tmp_path, capsys, monkeypatc
 
 @pytest.mark.parametrize("engine", ["exact", "stock"])
 def test_target_engine_chooses_decoding_s_exact_kernels_or_torch_s(setup, tmp_path, capsys, monkeypatch, engine):
-    """`target_engine=stock` (the default) trains on torch's own kernels; `exact` asks for decoding's engine, which
-    a CPU without exact bf16 rows declines (so only the request is checked there)."""
+    """`target_engine=stock` (the default) trains on torch's own kernels; `exact` takes decoding's kernel step,
+    which a CPU without exact bf16 rows declines (so only the request is checked there)."""
     target, data = setup
-    loaded = []
-    real_load = trainer.load_target
-    monkeypatch.setattr(trainer, "load_target", lambda *args, **kwargs: loaded.append((kwargs["exact"], real_load(
-        *args, **kwargs))) or loaded[-1][1])
+    loaded, kernels = [], []
+    real_load, real_kernels = trainer.load_target, trainer.decoding_kernels
+    monkeypatch.setattr(trainer, "load_target", lambda *args, **kwargs: loaded.append(real_load(*args, **kwargs))
+                        or loaded[-1])
+    monkeypatch.setattr(trainer, "decoding_kernels", lambda target: kernels.append(target) or real_kernels(target))
     extra = [] if engine == "stock" else ["target_engine=exact"]
     code, err = train_cli(capsys, target, data, tmp_path / "out", "max_steps=1", "target_dtype=bf16", *extra)
     assert code == 0, err
-    [(exact, loaded_target)] = loaded
-    assert exact == (engine == "exact")
+    [loaded_target] = loaded
+    assert kernels == ([loaded_target] if engine == "exact" else [])
     if engine == "stock":
         assert loaded_target.engine == "stock"
     code, err = train_cli(capsys, target, data, tmp_path / "bad", "max_steps=1", "target_engine=fast")
