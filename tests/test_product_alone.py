@@ -30,8 +30,8 @@ def mmvsd_alone(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_studies_are_really_out_of_reach_there():
-    done = subprocess.run([sys.executable, "-c", "import sys; sys.modules['mmvsd_studies'] = None; "
-                           "import mmvsd_studies"], capture_output=True, text=True, check=False)
+    blocked = "import sys; sys.modules['mmvsd_studies'] = None; import mmvsd_studies"
+    done = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, check=False)
     assert done.returncode == 1 and "ModuleNotFoundError" in done.stderr
     lab = mmvsd_alone("lab", "build-target", "smol-llava")
     assert lab.returncode == 2 and "pip install -e ./studies" in lab.stderr
