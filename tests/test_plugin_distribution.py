@@ -73,7 +73,6 @@ class BarAnswers:
 
 class BarEngine(Engine):
     name = "bar-engine"
-    summary = "mmvsd's plain decoding under another name"
     report_note = "Engine: bar (plain decoding only)."
     batch_one = True
 

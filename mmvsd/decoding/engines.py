@@ -27,11 +27,10 @@ DEFAULT_ENGINE = "mmvsd"
 
 
 class Engine(ABC):
-    """One place tokens are decoded. Subclasses set `name` and `summary` and implement what they support; the
-    commands call `check` before anything loads, then `load_target`, then `bench_methods` or `answers`."""
+    """One place tokens are decoded. Subclasses set `name` and implement what they support; the commands call
+    `check` before anything loads, then `load_target`, then `bench_methods` or `answers`."""
 
     name: ClassVar[str]
-    summary: ClassVar[str]  # one line for `--help` and docs
     report_note: ClassVar[str] = ""  # what its bench rows and ratios mean (the bench report's header)
     batch_one: ClassVar[bool] = False  # decodes one prompt at a time (`mmvsd bench --batch-size` must stay 1)
     media: ClassVar[bool] = True  # can take mmvsd's image prompts

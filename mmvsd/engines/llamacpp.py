@@ -23,7 +23,6 @@ from mmvsd.target_loader import load_target
 
 class LlamaCpp(Engine):
     name = ENGINE
-    summary = "llama-server on the target's GGUF file (text only, chains; not bit-identical at near-ties)"
     report_note = ("Engine: llama.cpp (llama-server, batch 1; wall time per request, prompt processing included). "
                    "vanilla: its plain decoding; pld: its n-gram lookup (ngram-simple); assisted: draft-simple with "
                    "the draft model; chain:X: drafter X's chains. SR: throughput ratio to llama.cpp's plain decoding; "

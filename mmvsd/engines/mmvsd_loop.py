@@ -21,7 +21,6 @@ from mmvsd.target import Target
 
 class MmvsdLoop(Engine):
     name = "mmvsd"
-    summary = "mmvsd's own loop in this process: exact trees, every drafter kind, images too"
     report_note = ("Engine: mmvsd's own loop. tau: kept new tokens / target forwards, bonus token counted. SR: "
                    "throughput ratio to mmvsd's own vanilla loop at the same batch size (SR vs HF / vs prompt lookup: "
                    "to transformers generate / prompt lookup, batch 1).")
