@@ -36,8 +36,9 @@ def add_placement_arguments(p: argparse.ArgumentParser) -> None:
 
 def placement(device: str = "auto", dtype: str = "auto"):
     """(torch dtype, device) to load a target with. auto device: the first CUDA GPU when there is one, else the
-    CPU. auto dtype: bf16 on a GPU that has it (fp16 on one that does not); None on the CPU, where `load_target`
-    measures fp32 against bf16 with the exact kernels (fast on CPUs with AMX or AVX-512-bf16, slow elsewhere)."""
+    CPU. auto dtype: bf16 on a GPU that has it (fp16 on one that does not); None on the CPU, where the mmvsd engine's
+    kernel step (`mmvsd.decoding.cpu_kernels.decoding_kernels`) measures fp32 against bf16 with the exact kernels
+    (fast on CPUs with AMX or AVX-512-bf16, slow elsewhere)."""
     import torch  # CLI start-up: torch only once a command loads a target
 
     if device == "auto":

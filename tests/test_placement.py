@@ -24,7 +24,7 @@ def one_gpu(monkeypatch):
 
 
 def test_auto_is_measured_on_the_cpu_and_bf16_on_a_gpu(no_gpu):
-    assert placement() == (None, "cpu")  # load_target measures fp32 against bf16 with the exact kernels
+    assert placement() == (None, "cpu")  # the kernel step measures fp32 against bf16 with the exact kernels
     assert placement("cpu", "bf16") == (torch.bfloat16, "cpu")
     assert placement("cpu", "float16") == (torch.float16, "cpu")  # the long names lmms-eval users write
 

@@ -35,17 +35,17 @@ class Engine(ABC):
     batch_one: ClassVar[bool] = False  # decodes one prompt at a time (`mmvsd bench --batch-size` must stay 1)
     media: ClassVar[bool] = True  # can take mmvsd's image prompts
 
-    def check(self, target: str, options: dict[str, Any]) -> None:
-        """Raise UserError for what this engine cannot run (a target that names nothing, or lacks the file it needs;
-        a bad engine option), before any model loads. `options`: the command's engine options (`chain`, ...)."""
+    def check(self, target: str) -> None:
+        """Raise UserError for a target this engine cannot run (one that names nothing, or lacks the file the engine
+        needs), before any model loads."""
         from mmvsd.target_loader import check_target_spec  # the loader's torch: when a command checks its inputs
 
         check_target_spec(target)
 
     def check_bench(self, config) -> None:
         """Raise UserError for what this engine cannot run of a `mmvsd bench` config (`mmvsd.eval.bench_config`):
-        methods, options, files; before any model loads."""
-        self.check(config.target_name(), {"chain": config.chain})
+        its target, and the methods, options and files the engine reads; before any model loads."""
+        self.check(config.target_name())
 
     @abstractmethod
     def load_target(self, spec: str, dtype: str, device: str) -> Target:

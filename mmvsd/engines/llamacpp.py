@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from mmvsd.decoding.engines import Engine, register_engine
-from mmvsd.engines.llamacpp_bench import AUTO, ENGINE, chain_args, check_llamacpp_config, target_file
+from mmvsd.engines.llamacpp_bench import ENGINE, check_llamacpp_config, target_file
 from mmvsd.placement import placement
 from mmvsd.target import Target
 from mmvsd.target_loader import load_target
@@ -31,19 +31,16 @@ class LlamaCpp(Engine):
     batch_one = True
     media = False
 
-    def check(self, target: str, options: dict[str, Any]) -> None:
-        super().check(target, options)
+    def check(self, target: str) -> None:
+        super().check(target)
         target_file(target)
-        chain = options.get("chain", "")
-        if chain and chain != AUTO:
-            chain_args(chain)
 
     def check_bench(self, config) -> None:
-        super().check(config.target_name(), {})
-        check_llamacpp_config(config)
+        super().check_bench(config)
+        check_llamacpp_config(config)  # its methods, --chain, the draft models' GGUF files
 
     def load_target(self, spec: str, dtype: str, device: str) -> Target:
-        self.check(spec, {})  # a target that names nothing, or has no GGUF file: before anything loads
+        self.check(spec)  # a target that names nothing, or has no GGUF file: before anything loads
         torch_dtype, device = placement(device, dtype)
         return load_target(spec, torch_dtype or torch.float32, device)  # tokenizes: no kernels to choose
 

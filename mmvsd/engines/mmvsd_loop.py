@@ -26,7 +26,7 @@ class MmvsdLoop(Engine):
                    "to transformers generate / prompt lookup, batch 1).")
 
     def load_target(self, spec: str, dtype: str, device: str) -> Target:
-        self.check(spec, {})  # a target that names nothing: one message, before anything loads
+        self.check(spec)  # a target that names nothing: one message, before anything loads
         torch_dtype, device = placement(device, dtype)
         target = target_loader.load_target(spec, torch_dtype, device)  # by attribute: tests spy on the loader
         return decoding_kernels(target, auto=torch_dtype is None)

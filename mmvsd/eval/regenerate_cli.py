@@ -71,7 +71,7 @@ def run_regenerate_command(args: argparse.Namespace) -> None:
     if args.restore_only and not args.store:
         raise UserError("--restore-only restores from a --store; name one")
     engine = get_engine(args.engine)
-    engine.check(args.target, {})  # e.g. llama.cpp's GGUF file: refused before the target loads
+    engine.check(args.target)  # e.g. llama.cpp's GGUF file: refused before the target loads
     if args.store:
         read_store_manifest(Path(args.store).expanduser())  # refused before the target loads
     read_manifest(Path(args.output).expanduser())

@@ -204,9 +204,11 @@ def benchmark_label(rows: list[Row], benchmark: str) -> str:
 def engine_note(name: str) -> str:
     """What the rows and ratios of engine `name` mean (its `report_note`); a generic line for an engine that is
     not installed here (a results folder from another machine)."""
-    from mmvsd.decoding.engines import ENGINES, engine_names  # the plugins' engines: loaded when a report is written
+    from mmvsd.decoding.engines import ENGINES  # loaded when a report is written
+    from mmvsd.plugins import load_plugins  # likewise
 
-    engine = ENGINES.get(name) if name in engine_names() else None
+    load_plugins()  # the plugins' engines too
+    engine = ENGINES.get(name)
     return (engine.report_note if engine is not None and engine.report_note else
             f"Engine: {name}. SR: throughput ratio to its own vanilla row.")
 
