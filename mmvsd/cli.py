@@ -1,7 +1,7 @@
 """The `mmvsd` command line: the global options and the dispatch. User errors print one line and exit with code 2.
 
 Every subcommand, mmvsd's own included, comes from the entry-point group `mmvsd.commands` (mmvsd/plugins.py): the
-built-in ones live with what they run (`mmvsd/eval/*_cli.py`, `mmvsd/training/cli.py`) and pyproject.toml names
+built-in ones live with what they run (`mmvsd/eval/*_cli.py`, `mmvsd/training/*_cli.py`) and pyproject.toml names
 them, so this module imports nothing above the core, and a package of yours adds `mmvsd yourcommand` the same way.
 """
 

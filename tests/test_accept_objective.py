@@ -136,7 +136,7 @@ def test_expected_acceptance_reweights_the_continuation_and_keeps_the_product_be
     sum_k a_1 ... a_k, with a_i the exact acceptance of unrolled step i and r_i = min(p, q_i)(y) / p(y) at the
     continuation's token y (0 outside the draft vocabulary, which holds target ids 28..127 here)."""
     from mmvsd.decoding.decode import Prompt
-    from mmvsd.training.acceptance import expected_acceptance
+    from mmvsd.eval.acceptance import expected_acceptance
     from mmvsd.training.features import TokenBatch, capture_features
 
     _, drafter = setup(tiny_target)
@@ -182,7 +182,7 @@ def test_expected_acceptance_is_unbiased_for_the_sampled_chain_and_the_product_i
     y ~ p, averaged over every y with weight p_1(y), equals it; the product a_1 + a_1 a_2(y) averaged likewise
     does not (its second context follows p_1, not min(p_1, q_1) / a_1)."""
     from mmvsd.decoding.decode import Prompt
-    from mmvsd.training.acceptance import chain_steps
+    from mmvsd.eval.acceptance import chain_steps
     from mmvsd.training.features import TokenBatch, capture_features
 
     _, drafter = setup(tiny_target)

@@ -17,7 +17,7 @@ from mmvsd.decoding.chain_plan import (
     plan_chain,
     step_outcome,
 )
-from mmvsd.training.acceptance import evaluate_acceptance, greedy_continuations
+from mmvsd.eval.acceptance import evaluate_acceptance, greedy_continuations
 
 COSTS = ChainCosts(verify_seconds=(0.010, 0.012, 0.015, 0.019, 0.024), draft_seconds=0.001)
 

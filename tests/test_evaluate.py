@@ -17,8 +17,8 @@ from mmvsd.decoding.decode import DecodeConfig, speculative_generate, vanilla_ge
 from mmvsd.decoding.tree import TreeShape
 from mmvsd.errors import UserError
 from mmvsd.target import Target
-from mmvsd.training import acceptance as evaluate
-from mmvsd.training.acceptance import (
+from mmvsd.eval import acceptance as evaluate
+from mmvsd.eval.acceptance import (
     cached_greedy_continuations,
     evaluate_acceptance,
     greedy_continuations,
@@ -295,6 +295,19 @@ def test_trainer_logs_validation_tau(tiny_dir, tmp_path, capsys, monkeypatch):
     code = main(["train", "--target", str(tiny_dir), "--data", str(data), "--output", str(tmp_path / "o2"), *TINY,
                  "max_steps=1", "eval_every=1", "eval_tree=60/7"])
     assert code == 2 and "eval_tree '60/7': expected auto, paper or BUDGET/DEPTH/TOPK" in capsys.readouterr().err
+
+
+def test_the_recipe_takes_its_tau_monitor_from_its_caller(tmp_path, monkeypatch):
+    """Training sits below evaluation: `train()` is handed the monitor (the command hands it evaluation's), and
+    eval_every without one is refused before anything loads."""
+    from mmvsd.training import trainer
+    from mmvsd.training.config import TrainConfig
+
+    monkeypatch.setattr(trainer, "load_target", lambda *a, **k: pytest.fail("loaded a target"))
+    config = TrainConfig(target="smollm2-135m", output=str(tmp_path / "out"), eval_every=5)
+    with pytest.raises(ValueError, match="eval_every > 0 needs a validation evaluator"):
+        trainer.train(config)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("tree, shape", [("paper", "60/7/10"), ("0/3/0", "60/3/10"), ("8/3/2", "8/3/2")])

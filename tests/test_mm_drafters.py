@@ -444,7 +444,7 @@ def test_a_mixed_dataset_regenerates_into_shards_and_resumes(mild_llava, mm_data
 def test_drafters_run_against_a_bf16_target(llava_dir, name):
     """A bf16 target (training's target_dtype=bf16, whose validation tau replays with it) lends its bf16 LM
     head to an fp32 drafter: drafting casts, so evaluation and decoding run (they raised a dtype error)."""
-    from mmvsd.training.acceptance import evaluate_acceptance, greedy_continuations
+    from mmvsd.eval.acceptance import evaluate_acceptance, greedy_continuations
 
     target = load_target(str(llava_dir), dtype=torch.bfloat16)
     adapter = adapter_for(target, "image")

@@ -15,7 +15,7 @@ from mmvsd.decoding.tree import TreeShape
 from mmvsd.errors import UserError
 from mmvsd.eval import bench
 from mmvsd.eval.lmms_plugin import MmvsdLmms
-from mmvsd.training import acceptance
+from mmvsd.eval import acceptance
 from mmvsd.tree_options import TEXT_TREE, tree_parts, tree_shape, tree_spec, tree_spec_from_args
 
 TEXT_BENCHMARK, IMAGE_BENCHMARK = "gsm8k", "vqav2_val_mini_long"  # a text and an image benchmark (or prompt set)

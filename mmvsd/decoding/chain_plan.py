@@ -4,7 +4,7 @@ which draft probability to stop (p_min), chosen from measured step costs and the
 Glossary:
 - a *chain sample* is the drafter's argmax chain at one position of a held-out greedy continuation: each drafted
   token's own draft probability, and how many leading tokens the target accepted (`ChainRecorder` records them
-  from mmvsd's exact T = 0 replay, `mmvsd.training.acceptance.evaluate_acceptance`);
+  from mmvsd's exact T = 0 replay, `mmvsd.eval.acceptance.evaluate_acceptance`);
 - under (n_max, p_min) a step drafts the leading tokens whose probability is >= p_min, at most n_max, as
   llama.cpp's drafting loop does: a forward of the drafter per drafted token, plus the one whose token stopped
   the chain (none after the n_max-th); it keeps the accepted ones and the target's bonus token;

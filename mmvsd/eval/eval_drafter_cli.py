@@ -1,5 +1,5 @@
 """`mmvsd eval-drafter`: a drafter's exact T=0 acceptance on prompts, by replaying the target's greedy continuations
-(mmvsd.training.acceptance) instead of decoding."""
+(mmvsd.eval.acceptance) instead of decoding."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def run_eval_drafter(args: argparse.Namespace) -> None:
     from mmvsd.decoding.tree import TreeShape  # CLI start-up: loaded per command
     from mmvsd.drafters.spec import drafter_from_spec  # CLI start-up: loaded per command
     from mmvsd.prompts import load_eval_prompts, prompt_domains  # CLI start-up: loaded per command
-    from mmvsd.training import acceptance  # CLI start-up: loaded per command
+    from mmvsd.eval import acceptance  # CLI start-up: loaded per command
 
     tree, spec = check_eval_drafter_args(args)
     target = get_engine(DEFAULT_ENGINE).load_target(args.target, args.dtype, args.device)

@@ -89,7 +89,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     log_every: int = 10
     progress: bool = True
-    # validation tau (mmvsd.training.acceptance: exact T=0 acceptance on held-out prompts, logged as val/tau)
+    # validation tau (mmvsd.eval.acceptance: exact T=0 acceptance on held-out prompts, logged as val/tau)
     eval_every: int = 0  # optimizer steps between evaluations (0: off); also after the last step
     eval_prompts: str = "mt_bench"  # a JSONL prompt file, a built-in benchmark (mt_bench, humaneval, gsm8k) or an
     # image task (e.g. vqav2_val_mini_long), as `mmvsd eval-drafter --prompt-file` takes

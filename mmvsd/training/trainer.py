@@ -21,6 +21,7 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +37,6 @@ from mmvsd.errors import UserError
 from mmvsd.files import atomic_file
 from mmvsd.target import Target
 from mmvsd.target_loader import load_target
-from mmvsd.training.acceptance import TauMonitor
 from mmvsd.training.budget import Budget
 from mmvsd.training.config import TrainConfig
 from mmvsd.training.dataset import data_specs, draft_vocab_from_counts, token_frequencies
@@ -62,6 +62,12 @@ from mmvsd.training.terms import make_objective, progress_labels
 from mmvsd.training.training_data import resolve_training_data, text_only_warning
 
 logger = logging.getLogger(__name__)
+
+# What the recipe takes to log validation tau every `eval_every` steps: given the run's config and its placed target,
+# an evaluator that scores the drafter (`monitor(drafter)`, a report with tau, mean_tau, acceptance_by_depth,
+# prompts, ties and seconds; its latest in `monitor.last_report`). Evaluation supplies it
+# (`mmvsd.eval.acceptance.tau_monitor`, which `mmvsd train` passes): training sits below evaluation.
+ValidationFactory = Callable[[TrainConfig, Target], object]
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -296,8 +302,13 @@ def _scalar_config(config: TrainConfig) -> dict:
     return flat
 
 
-def train(config: TrainConfig, target: Target | None = None, resume: bool = False) -> Path:
-    """Run (or resume) a training run; returns the output folder, which holds the drafter."""
+def train(config: TrainConfig, target: Target | None = None, resume: bool = False,
+          validation: ValidationFactory | None = None) -> Path:
+    """Run (or resume) a training run; returns the output folder, which holds the drafter. `validation` makes the
+    validation-tau evaluator that `eval_every` > 0 needs (the train command passes evaluation's)."""
+    if config.eval_every and validation is None:
+        raise ValueError("eval_every > 0 needs a validation evaluator: train(..., validation=tau_monitor), "
+                         "tau_monitor from mmvsd.eval.acceptance")
     config = resolve_training_data(config, target)  # data=auto: ShareGPT, or the LLaVA mixture for images
     out_dir = Path(config.output)
     resume_from = check_output(out_dir, resume)
@@ -310,7 +321,7 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
     accelerator, split = _accelerator(config, out_dir)
     state = _start_state(resume_from, split, accelerator)
     target = _placed_target(config, target, accelerator)
-    monitor = _tau_monitor(config, target, accelerator)
+    monitor = validation(config, target) if validation and config.eval_every and accelerator.is_main_process else None
     budget = Budget(config.max_minutes)
     source = training_source(config, target, read)
     if source.stream is not None and not _stream_ready(config, target, source, split, state, budget, resume_from):
@@ -463,13 +474,6 @@ def _postfix(metrics: dict[str, float], monitor=None) -> dict[str, str]:
     if monitor is not None and monitor.last_report is not None:
         shown["tau"] = f"{monitor.last_report.tau:.2f}"
     return shown
-
-
-def _tau_monitor(config: TrainConfig, target: Target, accelerator):
-    """The validation-tau evaluator (main process only; None when eval_every is 0)."""
-    if config.eval_every <= 0 or not accelerator.is_main_process:
-        return None
-    return TauMonitor(target, config.eval_prompts, config.eval_limit, config.eval_max_new_tokens, config.eval_tree)
 
 
 def _log_tau(monitor, drafter: Drafter, accelerator, out_dir: Path, state: TrainState) -> None:

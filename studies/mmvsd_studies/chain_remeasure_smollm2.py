@@ -13,7 +13,7 @@ from pathlib import Path
 
 from mmvsd.drafters.spec import neural_drafter_from_spec
 from mmvsd.target_loader import load_target
-from mmvsd.training.acceptance import expected_acceptance
+from mmvsd.eval.acceptance import expected_acceptance
 from mmvsd_studies import RESULTS_DIR
 from mmvsd_studies import vsd_study as vs
 

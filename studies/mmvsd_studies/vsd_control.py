@@ -30,7 +30,7 @@ training seeds (`--replicate OUT:SEED`), each arm's value is the mean over its s
 seeds, then prompts):
     accept_t1  expected accepted length of a depth-D chain sampled from the drafter and verified at T = 1,
                estimated without bias from the target's own T = 1 continuation y of the prompt
-               (`mmvsd.training.acceptance.expected_acceptance`, the powered study's primary metric). At each
+               (`mmvsd.eval.acceptance.expected_acceptance`, the powered study's primary metric). At each
                anchor t (the drafter has read the pairs up to t, the root is token t+1; every t whose token t+2
                is a continuation token after the first, which the prefill chooses) the drafter is unrolled D
                steps along the continuation (training-time test: step i is fed the continuation's token t+1+i,
@@ -77,7 +77,7 @@ from mmvsd.decoding.tree import TreeShape
 from mmvsd.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_linear_weights
 from mmvsd.shipped import weights_sha256
 from mmvsd.target_loader import load_target
-from mmvsd.training.acceptance import expected_acceptance
+from mmvsd.eval.acceptance import expected_acceptance
 from mmvsd.training.config import load_train_config
 from mmvsd.training.trainer import latest_checkpoint, train
 from mmvsd_studies import RESULTS_DIR
@@ -242,7 +242,7 @@ def chain_acceptance(target, drafter, prompts: list[list[int]], continuations: l
     """Per prompt: {"sum": sum of E_t over its anchors (a sampled chain's expected accepted length, unbiased),
     "forced": the teacher-forced product's sum beside it, "roots": their number, "step_rates": the mean a_i of
     each step i over the anchors where token t+2+i lies in the continuation} from mmvsd's evaluator
-    (`mmvsd.training.acceptance.expected_acceptance`)."""
+    (`mmvsd.eval.acceptance.expected_acceptance`)."""
     return [{"sum": c.total, "forced": c.forced_total, "roots": c.anchors, "step_rates": c.step_rates}
             for c in expected_acceptance(target, drafter, prompts, continuations, depth, batch_size)]
 

@@ -56,7 +56,7 @@ from mmvsd.files import atomic_file
 from mmvsd.prompts import load_eval_prompts
 from mmvsd.shipped import weights_sha256
 from mmvsd.target_loader import load_target
-from mmvsd.training.acceptance import cached_greedy_continuations, evaluate_acceptance, expected_acceptance
+from mmvsd.eval.acceptance import cached_greedy_continuations, evaluate_acceptance, expected_acceptance
 from mmvsd.training.config import load_train_config
 from mmvsd.training.trainer import STATE_FILE, TARGET_DTYPES, latest_checkpoint, load_training_target, train
 

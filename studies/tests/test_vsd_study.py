@@ -294,7 +294,7 @@ def test_a_run_trained_in_chunks_resumes_to_the_uninterrupted_weights(study, tmp
 def test_the_chain_metrics_counts_are_the_evaluators_sums(study, tiny_target, random_drafter):
     """"chain" is the unbiased estimate, "forced" the teacher-forced product; their cache keys differ (the
     product's keeps the name "accept" it had), and a key changes with the prompts' tokens."""
-    from mmvsd.training.acceptance import expected_acceptance
+    from mmvsd.eval.acceptance import expected_acceptance
 
     gen = torch.Generator().manual_seed(3)
     prompts = as_prompts([torch.randint(0, 128, (n,), generator=gen).tolist() for n in (4, 7, 5)])

@@ -46,6 +46,7 @@ from mmvsd.files import atomic_file, cache_root
 from mmvsd.prompts import load_eval_prompts
 from mmvsd.shipped import target_checksum
 from mmvsd.target import Target
+from mmvsd.training.config import TrainConfig
 from mmvsd.training.features import TokenBatch, capture_features
 from mmvsd.training.objectives import masked_acceptance, step_distributions
 from mmvsd.training.unroll import shifted
@@ -494,8 +495,8 @@ def format_report(report: AcceptanceReport, groups: list[str] | None = None) -> 
         f"accepted >= d draft tokens, d = 1..{len(report.acceptance_by_depth)}: {by_depth}",
         *[f"  {name}: {g['num_prompts']} prompts, first token accepted {g['first_token']:.3f}, draft tokens accepted "
           f"per step {g['accepted_per_step']:.3f}, tau {g['tau']:.3f}" for name, g in by_group.items()],
-        *([f"the draft vocabulary holds {report.draft_vocab_coverage:.1%} of the continuation's tokens (after "
-           "the first): no tree can accept the others"] if report.draft_vocab_coverage is not None else []),
+        *([(f"the draft vocabulary holds {report.draft_vocab_coverage:.1%} of the continuation's tokens (after "
+            "the first): no tree can accept the others")] if report.draft_vocab_coverage is not None else []),
         f"numerical ties (top-2 logit margin < {report.tie_epsilon:g}) on the greedy path: {len(report.ties)}"
         + (f"; continuation tokens that differ from the one-forward argmax: {report.num_mismatches}"
            if report.num_mismatches else ""),
@@ -536,3 +537,9 @@ class TauMonitor:
             return self.last_report
         finally:
             drafter.train(was_training)
+
+
+def tau_monitor(config: TrainConfig, target: Target) -> TauMonitor:
+    """The validation-tau evaluator of a training run (`train(..., validation=tau_monitor)`): the config's
+    `eval_prompts`, `eval_limit`, `eval_max_new_tokens` and `eval_tree` on its placed target."""
+    return TauMonitor(target, config.eval_prompts, config.eval_limit, config.eval_max_new_tokens, config.eval_tree)
