@@ -203,14 +203,14 @@ def chat_target() -> Target:
 
 
 def fit_drafter_to_target(
-    target: Target, prompts: list[list[int]], steps: int = 150, num_steps: int = 4, seed: int = 0
+    target: Target, prompts: list[list[int]], steps: int = 150, num_steps: int = 4, seed: int = 0, num_layers: int = 1
 ) -> Eagle3Drafter:
     """Overfit an EAGLE-3 drafter to the target's greedy continuations of `prompts`.
 
     A test helper (cross-entropy over unrolled draft steps) that gives the tree decoder real
     multi-token acceptances to exercise on those prompts.
     """
-    drafter = Eagle3Drafter.from_target(target, seed=seed)
+    drafter = Eagle3Drafter.from_target(target, seed=seed, num_layers=num_layers)
     results = vanilla_generate(target, prompts, DecodeConfig(max_new_tokens=64))
     seqs = [r.prompt_ids + r.output_ids for r in results]
     width = max(len(s) for s in seqs)

@@ -67,8 +67,9 @@ class Drafter(nn.Module):
         return self
 
     @classmethod
-    def from_target(cls, target, draft_vocab_size: int | None = None, seed: int = 0) -> Drafter:
-        """A freshly initialised drafter sized for `target`."""
+    def from_target(cls, target, draft_vocab_size: int | None = None, seed: int = 0, num_layers: int = 1) -> Drafter:
+        """A freshly initialised drafter sized for `target`, with `num_layers` decoder layers where its kind can
+        stack them (UserError where it cannot)."""
         raise NotImplementedError
 
     def set_draft_vocab(self, target_ids: Tensor) -> None:
@@ -82,6 +83,11 @@ class Drafter(nn.Module):
 
     def init_from_target(self, target) -> None:
         """Copy what can start from the target's own weights (e.g. the LM head); default: nothing."""
+
+    def init_layers_from_target(self, target) -> None:
+        """Start the decoder layer(s) from the target's own last layer(s), where shapes allow."""
+        raise UserError(f"a {self.drafter_type} drafter cannot start its decoder layers from the target's "
+                        f"(init_layers_from_target=false)")
 
     @property
     def draft_vocab_size(self) -> int:

@@ -166,9 +166,12 @@ class Eagle1Drafter(Drafter):
         self._head_rows: tuple[tuple, nn.Module] | None = None  # (what they were sliced from, `draft_head`)
 
     @classmethod
-    def from_target(cls, target, draft_vocab_size: int | None = None, seed: int = 0) -> Eagle1Drafter:
+    def from_target(cls, target, draft_vocab_size: int | None = None, seed: int = 0,
+                    num_layers: int = 1) -> Eagle1Drafter:
         """A freshly initialised drafter for `target`, drafting over the target's whole vocabulary (training sees
         every token; `restricted` narrows a trained one)."""
+        if num_layers != 1:
+            raise UserError(f"a {cls.drafter_type} drafter has one decoder layer (draft_layers=1), not {num_layers}")
         with torch.random.fork_rng(devices=[]):  # a local stream: the caller's global RNG is left as it was
             torch.manual_seed(seed)
             config = cls.config_class.from_target(target, max_images=cls.default_max_images)

@@ -1,8 +1,10 @@
-"""EAGLE-3 drafter: fc over low/mid/high target features, one decoder layer, reduced draft vocab.
+"""EAGLE-3 drafter: fc over low/mid/high target features, one decoder layer (or more), reduced draft vocab.
 
 Layout (matches the EAGLE-3 checkpoints that vLLM and SGLang load, minus their config keys):
     fc            [H, 3H]   target features -> hidden
     midlayer.*    one Llama decoder layer whose q/k/v read [input_layernorm(emb) ; hidden_norm(h)] (2H)
+    extra_layers.i.*  with num_layers > 1: plain Llama decoder layers on midlayer's output (as speculators' multi-
+                  layer EAGLE-3 stacks them); the hidden state carried to the next draft step is the last one's
     norm          final RMSNorm
     lm_head       [Vd, H]   logits over the draft vocabulary
     d2t           [Vd] long draft id i is target id i + d2t[i];  t2d [V] bool: target id in draft vocab
@@ -28,6 +30,7 @@ from mmvsd.drafter_base import (
     save_drafter_folder,
 )
 from mmvsd.drafters.layers import MLP, Attention, RMSNorm, layer_sizes
+from mmvsd.errors import UserError
 
 
 @dataclass
@@ -47,16 +50,25 @@ class Eagle3Config:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
     target_name: str = ""
+    num_layers: int = 1  # decoder layers: midlayer, then num_layers - 1 plain ones
 
     @classmethod
-    def from_target(cls, target, draft_vocab_size: int | None = None) -> Eagle3Config:
+    def from_target(cls, target, draft_vocab_size: int | None = None, num_layers: int = 1) -> Eagle3Config:
         """A drafter config sized like `target`'s decoder layers."""
         return cls(
             **layer_sizes(target),
             draft_vocab_size=min(draft_vocab_size or target.vocab_size, target.vocab_size),
             target_hidden_size=target.hidden_size,
             aux_layer_ids=list(target.aux_layer_ids),
+            num_layers=num_layers,
         )
+
+
+def check_one_layer(config: Eagle3Config, where: str) -> None:
+    """Refuse a multi-layer drafter where a format holds EAGLE-3's one layer."""
+    if config.num_layers != 1:
+        raise UserError(f"{where} holds one EAGLE-3 decoder layer; this drafter has {config.num_layers} "
+                        f"(num_layers): decode it with mmvsd")
 
 
 class MidLayer(nn.Module):
@@ -79,6 +91,22 @@ class MidLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+class DecoderLayer(nn.Module):
+    """A plain Llama decoder layer: the second and later layers of a multi-layer EAGLE-3 drafter."""
+
+    def __init__(self, config: Eagle3Config, layer_idx: int) -> None:
+        super().__init__()
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(size, eps)
+        self.post_attention_layernorm = RMSNorm(size, eps)
+        self.self_attn = Attention(config, size, layer_idx)
+        self.mlp = MLP(size, config.intermediate_size)
+
+    def forward(self, hidden: Tensor, positions: Tensor, attention_mask: Tensor, cache: RaggedCache | None) -> Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, attention_mask, cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
 class Eagle3Drafter(Drafter):
     """The EAGLE-3 draft model."""
 
@@ -90,6 +118,9 @@ class Eagle3Drafter(Drafter):
         self.__dict__["embed_tokens"] = embed_tokens  # borrowed from the target, not a parameter
         self.fc = nn.Linear(len(config.aux_layer_ids) * config.target_hidden_size, config.hidden_size, bias=False)
         self.midlayer = MidLayer(config)
+        if config.num_layers < 1:
+            raise UserError(f"an EAGLE-3 drafter has at least one decoder layer, not {config.num_layers}")
+        self.extra_layers = nn.ModuleList(DecoderLayer(config, i) for i in range(1, config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
@@ -97,11 +128,12 @@ class Eagle3Drafter(Drafter):
         self.set_draft_vocab(torch.arange(config.draft_vocab_size))
 
     @classmethod
-    def from_target(cls, target, draft_vocab_size: int | None = 32000, seed: int = 0) -> Eagle3Drafter:
+    def from_target(cls, target, draft_vocab_size: int | None = 32000, seed: int = 0,
+                    num_layers: int = 1) -> Eagle3Drafter:
         """A freshly initialised drafter sized for `target` (draft vocab: its first ids until trained)."""
         with torch.random.fork_rng(devices=[]):  # a local stream: the caller's global RNG is left as it was
             torch.manual_seed(seed)
-            drafter = cls(Eagle3Config.from_target(target, draft_vocab_size), target.input_embeddings)
+            drafter = cls(Eagle3Config.from_target(target, draft_vocab_size, num_layers), target.input_embeddings)
             drafter.apply(init_linear_weights)
         return drafter.to(device=target.device, dtype=target.dtype)
 
@@ -125,6 +157,27 @@ class Eagle3Drafter(Drafter):
         if weight is not None and weight.shape == self.norm.weight.shape:
             self.norm.weight.copy_(weight.to(self.norm.weight))
 
+    @torch.no_grad()
+    def init_layers_from_target(self, target) -> None:
+        """Draft decoder layers = the target's last `num_layers` decoder layers, where shapes allow: midlayer's
+        q/k/v take the target layer's weights on their hidden half and zeros on the embedding half (an input the
+        target's layer does not have), its hidden_norm the layer's input norm; the later layers are plain copies.
+        fc, the head and the embedding norm stay as they are; q/k/v biases (Qwen2's) have no place here."""
+        theirs = list(target.model.get_decoder().layers)[-self.config.num_layers:]
+        first, hidden = self.midlayer, self.config.hidden_size
+        for name in ("q_proj", "k_proj", "v_proj"):
+            weight = getattr(first.self_attn, name).weight
+            weight.zero_()
+            _copy(weight[:, hidden:], getattr(theirs[0].self_attn, name).weight, f"{name} of layer 0")
+        _copy(first.hidden_norm.weight, theirs[0].input_layernorm.weight, "the input norm of layer 0")
+        pairs = [(first.self_attn.o_proj, theirs[0].self_attn.o_proj), (first.mlp, theirs[0].mlp),
+                 (first.post_attention_layernorm, theirs[0].post_attention_layernorm)]
+        pairs += [(mine, source) for mine, source in zip(self.extra_layers, theirs[1:], strict=True)]
+        for mine, source in pairs:
+            state = source.state_dict()
+            for key, weight in mine.state_dict().items():
+                _copy(weight, state.get(key), key)
+
     def read_target(
         self, features: Tensor, token_ids: Tensor, positions: Tensor, attention_mask: Tensor,
         cache: RaggedCache | None, media: PairMedia | None = None,
@@ -136,7 +189,10 @@ class Eagle3Drafter(Drafter):
         self, hidden: Tensor, token_ids: Tensor, positions: Tensor, attention_mask: Tensor, cache: RaggedCache | None,
     ) -> Tensor:
         embeds = self.embed_tokens(token_ids).to(hidden.dtype)
-        return self.midlayer(embeds, hidden, positions, attention_mask, cache)
+        hidden = self.midlayer(embeds, hidden, positions, attention_mask, cache)
+        for layer in self.extra_layers:
+            hidden = layer(hidden, positions, attention_mask, cache)
+        return hidden
 
     def draft_logits(self, hidden: Tensor) -> Tensor:
         return self.lm_head(self.norm(hidden))
@@ -167,6 +223,13 @@ class Eagle3Drafter(Drafter):
         drafter.check_target(target)
         load_drafter_weights(drafter, path, "EAGLE-3")
         return drafter.to(device=target.device, dtype=target.dtype).eval()
+
+
+def _copy(dst: Tensor, src: Tensor | None, what: str) -> None:
+    if src is None or src.shape != dst.shape:
+        raise UserError(f"cannot start the draft layers from the target's: {what} is "
+                        f"{'missing' if src is None else tuple(src.shape)} where the drafter's is {tuple(dst.shape)}")
+    dst.copy_(src.to(dst))
 
 
 def init_linear_weights(module: nn.Module) -> None:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from mmvsd.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from mmvsd.drafters.eagle3 import Eagle3Config, Eagle3Drafter, check_one_layer
 from mmvsd.errors import UserError
 from mmvsd.layouts.base import Layout
 from mmvsd.target_loader import target_gguf_file
@@ -84,6 +84,7 @@ def write_eagle3_gguf(drafter: Eagle3Drafter, target, path: Path, out_type: str 
     if out_type not in OUT_TYPES:
         raise UserError(f"--outtype {out_type!r}: choose one of {', '.join(OUT_TYPES)}")
     config = drafter.config
+    check_one_layer(config, "llama.cpp's EAGLE-3 GGUF")
     if len(config.aux_layer_ids) != 3:
         raise UserError(f"llama.cpp's EAGLE-3 reads exactly 3 target layers; this drafter reads {config.aux_layer_ids}")
     writer = gguf.GGUFWriter(str(path), ARCH)

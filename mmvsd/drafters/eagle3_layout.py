@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from mmvsd.checkpoints import CONFIG_FILE, read_config, read_tensors
-from mmvsd.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+from mmvsd.drafters.eagle3 import Eagle3Config, Eagle3Drafter, check_one_layer
 from mmvsd.errors import UserError
 from mmvsd.layouts.base import Layout, NotThisLayout, load_checked_state
 from mmvsd.target import default_aux_layer_ids
@@ -115,6 +115,7 @@ def target_positions(target) -> int:
 
 def released_config(config: Eagle3Config, dtype: torch.dtype, max_positions: int | None = None) -> dict:
     """The config.json vLLM / SGLang expect for an EAGLE-3 drafter with our `config`."""
+    check_one_layer(config, "the eagle3 and speculators layouts' config")
     if config.aux_layer_ids and config.aux_layer_ids[0] == 1:
         raise UserError(f"feature layers {config.aux_layer_ids} start at 1, which SGLang reads as 'output of layer 1' "
                         f"(one layer later than ours); the eagle3 layout cannot hold them unambiguously")

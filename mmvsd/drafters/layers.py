@@ -70,9 +70,10 @@ def apply_rope(x: Tensor, positions: Tensor, theta: float) -> Tensor:
 class Attention(nn.Module):
     """Grouped-query attention over an input of `in_size` features, with an external ragged cache."""
 
-    def __init__(self, config: AttentionSizes, in_size: int) -> None:
+    def __init__(self, config: AttentionSizes, in_size: int, layer_idx: int = 0) -> None:
         super().__init__()
         self.config = config
+        self.layer_idx = layer_idx  # its layer in the drafter's cache
         heads, kv_heads, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.q_proj = nn.Linear(in_size, heads * hd, bias=False)
         self.k_proj = nn.Linear(in_size, kv_heads * hd, bias=False)
@@ -87,7 +88,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(batch, num_q, cfg.num_key_value_heads, cfg.head_dim).transpose(1, 2)
         q, k = apply_rope(q, positions, cfg.rope_theta), apply_rope(k, positions, cfg.rope_theta)
         if cache is not None:
-            k, v = cache.kv.update(k, v, 0)  # [B, kv_heads, T, hd]
+            k, v = cache.kv.update(k, v, self.layer_idx)  # [B, kv_heads, T, hd]
         groups = cfg.num_attention_heads // cfg.num_key_value_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask.to(q.dtype))

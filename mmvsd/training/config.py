@@ -82,6 +82,8 @@ class TrainConfig:
     # or decoding's exact kernels (mmvsd.decoding.cpu_kernels: the same kernels in 32-row chunks, float64 attention),
     # which training does not need (features 1.3-2x faster with stock on 4 x 512 tokens; they differ in the last bits)
     init_from_target: bool = False  # start the draft LM head and final norm from the target's (draft-vocab rows)
+    init_layers_from_target: bool = False  # start the draft decoder layer(s) from the target's last one(s)
+    draft_layers: int = 1  # decoder layers of a fresh drafter (EAGLE-3 stacks plain layers after its first)
     seed: int = 0
     max_bad_steps: int = 20  # non-finite losses tolerated (skipped) before the run stops
     # bookkeeping
@@ -126,7 +128,7 @@ class TrainConfig:
             raise UserError(f"warmup_steps and stop_at_step must be >= 0, got {self.warmup_steps} and "
                             f"{self.stop_at_step}")
         positive = ("batch_size", "grad_accum", "max_length", "save_every", "log_every", "draft_vocab_size",
-                    "eval_max_new_tokens", "regenerate_batch_size")
+                    "draft_layers", "eval_max_new_tokens", "regenerate_batch_size")
         for key in positive:
             if getattr(self, key) < 1:
                 raise UserError(f"{key} must be >= 1, got {getattr(self, key)}")

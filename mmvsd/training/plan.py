@@ -224,7 +224,8 @@ def describe_plan(config: TrainConfig, argv: list[str], num_gpus: int) -> str:
     groups = parameter_groups(target)
     target_params = sum(groups.values())
     init, init_vocab = resolve_init_offline(config)
-    drafter = drafter_class(config.drafter).from_target(target, draft_vocab_size=init_vocab or config.draft_vocab_size)
+    drafter = drafter_class(config.drafter).from_target(target, draft_vocab_size=init_vocab or config.draft_vocab_size,
+                                                        num_layers=config.draft_layers)
     trainable = count(drafter, trainable_only=True)
     draft_vocab = drafter.draft_vocab_size
     data = data_plan(config, image_tokens_per_image(target.model.config)) if config.features == "online" else None

@@ -144,11 +144,13 @@ def build_drafter(config: TrainConfig, target: Target, train_examples: list) -> 
             raise UserError(f"--init {config.init} holds a {drafter.drafter_type!r} drafter, not {config.drafter!r}")
         return fp32_master_weights(drafter).train()
     drafter = drafter_class(config.drafter).from_target(target, draft_vocab_size=config.draft_vocab_size,
-                                                        seed=config.seed)
+                                                        seed=config.seed, num_layers=config.draft_layers)
     counts = token_frequencies(train_examples, target.vocab_size)
     drafter.set_draft_vocab(draft_vocab_from_counts(counts, drafter.draft_vocab_size))
     if config.init_from_target:
         drafter.init_from_target(target)
+    if config.init_layers_from_target:
+        drafter.init_layers_from_target(target)
     return fp32_master_weights(drafter).train()
 
 
@@ -166,6 +168,9 @@ def check_init(config: TrainConfig) -> InitSource | None:
     source = resolve_init(config.init, config.target)
     if source is not None and source.layout.drafter_type not in ("", config.drafter):
         raise UserError(f"--init {config.init} holds a {source.layout.drafter_type!r} drafter, not {config.drafter!r}")
+    if source is not None and (config.draft_layers != 1 or config.init_layers_from_target):
+        raise UserError(f"--init {config.init} starts from a trained drafter: draft_layers and "
+                        f"init_layers_from_target shape a fresh one")
     return source
 
 
