@@ -92,7 +92,7 @@ def test_training_a_two_layer_drafter_from_the_targets_layers(tiny_dir, tmp_path
     texts = []
     for drafter in (str(out), "none"):
         code, _, err = run_cli(capsys, "generate", "--target", str(tiny_dir), "--drafter", drafter, "--prompt",
-                                     "w1 w2 w3", "--max-new-tokens", "12", "--json", str(tmp_path / "out.json"))
+                               "w1 w2 w3", "--max-new-tokens", "12", "--json", str(tmp_path / "out.json"))
         assert code == 0, err
         texts.append([r["output_ids"] for r in json.loads((tmp_path / "out.json").read_text())["results"]])
     assert texts[0] == texts[1] and len(texts[0][0]) == 12  # lossless through the command
