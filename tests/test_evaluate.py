@@ -16,13 +16,13 @@ from mmvsd.cli import main
 from mmvsd.decoding.decode import DecodeConfig, speculative_generate, vanilla_generate
 from mmvsd.decoding.tree import TreeShape
 from mmvsd.errors import UserError
-from mmvsd.target import Target
 from mmvsd.eval import acceptance as evaluate
 from mmvsd.eval.acceptance import (
     cached_greedy_continuations,
     evaluate_acceptance,
     greedy_continuations,
 )
+from mmvsd.target import Target
 
 PROMPTS = PROMPT_POOL[:6] + random_prompts(3, seed=41)  # the fitted drafter knows PROMPT_POOL: real acceptances
 SHAPES = [TreeShape(60, 7, 10), TreeShape(12, 4, 3), TreeShape(4, 3, 1), TreeShape(1, 7, 10)]

@@ -13,9 +13,8 @@ from mmvsd.cli import build_parser, main
 from mmvsd.decoding import decode
 from mmvsd.decoding.tree import TreeShape
 from mmvsd.errors import UserError
-from mmvsd.eval import bench
+from mmvsd.eval import acceptance, bench
 from mmvsd.eval.lmms_plugin import MmvsdLmms
-from mmvsd.eval import acceptance
 from mmvsd.tree_options import TEXT_TREE, tree_parts, tree_shape, tree_spec, tree_spec_from_args
 
 TEXT_BENCHMARK, IMAGE_BENCHMARK = "gsm8k", "vqav2_val_mini_long"  # a text and an image benchmark (or prompt set)

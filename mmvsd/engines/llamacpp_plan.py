@@ -21,9 +21,9 @@ from mmvsd.decoding.chain_plan import ChainCosts, ChainPlan, ChainRecorder, plan
 from mmvsd.drafters.spec import drafter_from_spec
 from mmvsd.engines.llamacpp_server import LlamaServer
 from mmvsd.errors import UserError
+from mmvsd.eval.acceptance import evaluate_acceptance, greedy_continuations
 from mmvsd.eval.suites import load_items, resolve_suite
 from mmvsd.target import Target
-from mmvsd.eval.acceptance import evaluate_acceptance, greedy_continuations
 
 DEPTH = 8  # longest chain considered
 HELD_OUT_PER_BENCHMARK = 4

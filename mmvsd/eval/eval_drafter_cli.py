@@ -63,8 +63,8 @@ def run_eval_drafter(args: argparse.Namespace) -> None:
     from mmvsd.decoding.engines import DEFAULT_ENGINE, get_engine  # CLI start-up: loaded per command
     from mmvsd.decoding.tree import TreeShape  # CLI start-up: loaded per command
     from mmvsd.drafters.spec import drafter_from_spec  # CLI start-up: loaded per command
-    from mmvsd.prompts import load_eval_prompts, prompt_domains  # CLI start-up: loaded per command
     from mmvsd.eval import acceptance  # CLI start-up: loaded per command
+    from mmvsd.prompts import load_eval_prompts, prompt_domains  # CLI start-up: loaded per command
 
     tree, spec = check_eval_drafter_args(args)
     target = get_engine(DEFAULT_ENGINE).load_target(args.target, args.dtype, args.device)

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 from mmvsd.drafters.spec import neural_drafter_from_spec
-from mmvsd.target_loader import load_target
 from mmvsd.eval.acceptance import expected_acceptance
+from mmvsd.target_loader import load_target
 from mmvsd_studies import RESULTS_DIR
 from mmvsd_studies import vsd_study as vs
 

@@ -75,9 +75,9 @@ import torch
 from mmvsd.decoding.decode import DecodeConfig, generate_each, speculative_generate, vanilla_generate
 from mmvsd.decoding.tree import TreeShape
 from mmvsd.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_linear_weights
+from mmvsd.eval.acceptance import expected_acceptance
 from mmvsd.shipped import weights_sha256
 from mmvsd.target_loader import load_target
-from mmvsd.eval.acceptance import expected_acceptance
 from mmvsd.training.config import load_train_config
 from mmvsd.training.trainer import latest_checkpoint, train
 from mmvsd_studies import RESULTS_DIR

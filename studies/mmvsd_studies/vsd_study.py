@@ -52,11 +52,11 @@ from mmvsd.decoding.decode import DecodeConfig, generate_each
 from mmvsd.decoding.tree import TreeShape
 from mmvsd.drafters.spec import neural_drafter_from_spec
 from mmvsd.errors import UserError
+from mmvsd.eval.acceptance import cached_greedy_continuations, evaluate_acceptance, expected_acceptance
 from mmvsd.files import atomic_file
 from mmvsd.prompts import load_eval_prompts
 from mmvsd.shipped import weights_sha256
 from mmvsd.target_loader import load_target
-from mmvsd.eval.acceptance import cached_greedy_continuations, evaluate_acceptance, expected_acceptance
 from mmvsd.training.config import load_train_config
 from mmvsd.training.trainer import STATE_FILE, TARGET_DTYPES, latest_checkpoint, load_training_target, train
 

@@ -17,8 +17,8 @@ from conftest import make_tiny_llama
 from mmvsd.decoding.decode import as_prompts
 from mmvsd.decoding.draft_session import DraftInputs
 from mmvsd.drafters.eagle3 import Eagle3Drafter
-from mmvsd.target import Target
 from mmvsd.eval.acceptance import chain_steps
+from mmvsd.target import Target
 from mmvsd.training.features import TokenBatch, capture_features
 from mmvsd_studies import vsd_control
 
