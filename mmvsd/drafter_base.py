@@ -59,6 +59,7 @@ class Drafter(nn.Module):
     reads_media: ClassVar[bool] = False  # reads media embeddings (`PairMedia`): trains on data with media
     reads_aux: ClassVar[bool] = True  # whether `target_features` needs the auxiliary layers' hidden states
     proposes_from_context: ClassVar[bool] = False  # proposes from its draft vocabulary, never from the context
+    stacks_layers: ClassVar[bool] = False  # takes draft_layers > 1 and init_layers_from_target (EAGLE-3)
     narrowable: ClassVar[bool] = False  # drafts through the target's head: `restricted` can narrow a trained one
 
     @property

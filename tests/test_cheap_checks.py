@@ -59,6 +59,10 @@ MISTAKES = {
     "train: layers of a fresh drafter with --init": (["train", *SMOL, "--init", "eagle3-ce", "--output", "{tmp}/out",
                                                       "draft_layers=2"], "shape a fresh one"),
     "train: no decoder layers": (["train", *SMOL, "--output", "{tmp}/out", "draft_layers=0"], "draft_layers"),
+    "train: layers for a one-layer kind": (["train", *SMOL, "--drafter", "vispec", "--output", "{tmp}/out",
+                                            "draft_layers=2"], "are EAGLE-3's"),
+    "train: layer weights the exact kernels pack": (["train", *SMOL, "--output", "{tmp}/out", "target_engine=exact",
+                                                     "init_layers_from_target=true"], "use target_engine=stock"),
     "train: missing tau prompts": (["train", *SMOL, "--output", "{tmp}/out", "eval_every=1",
                                     f"eval_prompts={MISSING}"], "prompt file not found"),
     "profile: missing drafter folder": (["profile", *SMOL, "--drafter", "./no/such/drafter"],
@@ -90,3 +94,12 @@ def test_a_mistake_ends_in_one_message_before_anything_loads(case, nothing_loads
     assert code == 2, err
     assert err.startswith("mmvsd: error: ") and words in err, err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_llamacpp_refuses_a_multi_layer_drafter_before_anything_loads(nothing_loads, tmp_path, capsys):
+    folder = tmp_path / "two-layers"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"num_layers": 2}')
+    code, _, err = run_cli(capsys, "bench", *SMOL, "--suite", "gsm8k", "--engine", "llama.cpp", "--drafter",
+                           str(folder), "--chain", "3/0.1", "--methods", "vanilla,tree")
+    assert code == 2 and "llama.cpp's EAGLE-3 holds one decoder layer; this drafter has 2" in err, err

@@ -10,13 +10,22 @@ import pytest
 import torch
 from test_evaluate import assert_same_as_generate
 
-from conftest import PROMPT_POOL, TINY, fit_drafter_to_target, run_cli, save_tiny_target, write_sharegpt
+from conftest import (
+    PROMPT_POOL,
+    TINY,
+    fit_drafter_to_target,
+    make_tiny_llama,
+    run_cli,
+    save_tiny_target,
+    write_sharegpt,
+)
 from mmvsd.cli import main
 from mmvsd.decoding.draft_session import DraftInputs, DraftSession
 from mmvsd.decoding.tree import TreeShape
 from mmvsd.drafters.eagle1 import Eagle1Drafter
 from mmvsd.drafters.eagle3 import Eagle3Drafter
 from mmvsd.errors import UserError
+from mmvsd.target import Target
 
 
 @pytest.fixture(scope="module")
@@ -39,16 +48,17 @@ def test_each_layer_keeps_its_own_cache(tiny_target):
     features = torch.randn(2, 9, width, generator=generator)
     next_ids = torch.randint(0, tiny_target.vocab_size, (2, 9), generator=generator)
 
-    def fed(cuts: list[int]) -> torch.Tensor:
+    def fed(cuts: list[int]) -> DraftSession:
         session = DraftSession(drafter, 2)
         for start, end in zip([0, *cuts], [*cuts, 9]):
             session.advance(DraftInputs(features[:, start:end], next_ids[:, start:end],
                                         torch.full((2,), end - start)))
-        return session.last_hidden
+        return session
 
     whole = fed([])
-    assert torch.allclose(fed([4]), whole, atol=1e-5) and torch.allclose(fed([2, 7]), whole, atol=1e-5)
-    assert len(DraftSession(drafter, 2).cache.kv.layers) <= 3  # (created on first use)
+    assert len(whole.cache.kv.layers) == 3 and int(whole.cache.lens[0]) == 9  # a slot per layer, all pairs kept
+    for cuts in ([4], [2, 7]):
+        assert torch.allclose(fed(cuts).last_hidden, whole.last_hidden, atol=1e-5)
 
 
 @pytest.mark.parametrize("shape", [TreeShape(60, 7, 10), TreeShape(4, 3, 1)], ids=["60-7-10", "4-3-1"])
@@ -57,8 +67,22 @@ def test_a_two_layer_drafter_decodes_losslessly_and_replays_as_it_decodes(tiny_t
     assert report.tau > 1.5  # it really drafts: the comparison is not vacuous
 
 
-def test_draft_layers_start_from_the_targets_last_layers(tiny_target):
+@pytest.fixture
+def norms_target():
+    """The tiny target with random norm weights (a fresh one's are all 1, as a fresh drafter's are)."""
+    target = Target(make_tiny_llama(), None, "tiny-llama-norms")
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, weight in target.model.named_parameters():
+            if "norm" in name:
+                weight.copy_(torch.rand(weight.shape, generator=generator) + 0.5)
+    return target
+
+
+def test_draft_layers_start_from_the_targets_last_layers(norms_target):
+    tiny_target = norms_target
     drafter = Eagle3Drafter.from_target(tiny_target, seed=0, num_layers=2)
+    head, embed_norm = drafter.lm_head.weight.clone(), drafter.midlayer.input_layernorm.weight.clone()
     drafter.init_layers_from_target(tiny_target)
     last_two = list(tiny_target.model.get_decoder().layers)[-2:]
     size = drafter.config.hidden_size
@@ -67,12 +91,22 @@ def test_draft_layers_start_from_the_targets_last_layers(tiny_target):
         assert torch.equal(mine[:, size:], getattr(last_two[0].self_attn, name).weight)
         assert not mine[:, :size].any()  # the embedding half: an input the target's layer does not have
     assert torch.equal(drafter.midlayer.hidden_norm.weight, last_two[0].input_layernorm.weight)
+    assert torch.equal(drafter.midlayer.post_attention_layernorm.weight, last_two[0].post_attention_layernorm.weight)
+    assert torch.equal(drafter.midlayer.self_attn.o_proj.weight, last_two[0].self_attn.o_proj.weight)
     assert torch.equal(drafter.midlayer.mlp.down_proj.weight, last_two[0].mlp.down_proj.weight)
     theirs = last_two[1].state_dict()
     assert all(torch.equal(weight, theirs[key]) for key, weight in drafter.extra_layers[0].state_dict().items())
-    before = drafter.fc.weight.clone()
-    drafter.init_layers_from_target(tiny_target)
-    assert torch.equal(drafter.fc.weight, before)  # fc and the head stay as they were
+    assert torch.equal(drafter.lm_head.weight, head)  # the head and the embedding norm stay as they were
+    assert torch.equal(drafter.midlayer.input_layernorm.weight, embed_norm)
+
+
+def test_layers_that_cannot_start_from_the_target_say_why(norms_target):
+    with pytest.raises(UserError, match="the target has 4 decoder layers"):
+        Eagle3Drafter.from_target(norms_target, num_layers=5).init_layers_from_target(norms_target)
+    layer = norms_target.model.get_decoder().layers[-1]
+    layer.self_attn.register_parameter("q_norm", torch.nn.Parameter(torch.ones(4)))  # as Qwen3's layers hold
+    with pytest.raises(UserError, match=r"weights a Llama layer does not have \(self_attn.q_norm\)"):
+        Eagle3Drafter.from_target(norms_target).init_layers_from_target(norms_target)
 
 
 def test_one_layer_kinds_refuse_more(tiny_target):

@@ -111,6 +111,7 @@ class Eagle3Drafter(Drafter):
     """The EAGLE-3 draft model."""
 
     drafter_type = "eagle3"
+    stacks_layers = True
 
     def __init__(self, config: Eagle3Config, embed_tokens: nn.Embedding) -> None:
         super().__init__()
@@ -163,18 +164,24 @@ class Eagle3Drafter(Drafter):
         q/k/v take the target layer's weights on their hidden half and zeros on the embedding half (an input the
         target's layer does not have), its hidden_norm the layer's input norm; the later layers are plain copies.
         fc, the head and the embedding norm stay as they are; q/k/v biases (Qwen2's) have no place here."""
-        theirs = list(target.model.get_decoder().layers)[-self.config.num_layers:]
+        layers = list(target.model.get_decoder().layers)
+        if self.config.num_layers > len(layers):
+            raise UserError(f"draft_layers={self.config.num_layers}: the target has {len(layers)} decoder layers to "
+                            f"start them from")
+        theirs = layers[-self.config.num_layers:]
         first, hidden = self.midlayer, self.config.hidden_size
+        state = _layer_state(theirs[0], first.state_dict().keys() | {"input_layernorm.weight"})
         for name in ("q_proj", "k_proj", "v_proj"):
             weight = getattr(first.self_attn, name).weight
             weight.zero_()
-            _copy(weight[:, hidden:], getattr(theirs[0].self_attn, name).weight, f"{name} of layer 0")
-        _copy(first.hidden_norm.weight, theirs[0].input_layernorm.weight, "the input norm of layer 0")
-        pairs = [(first.self_attn.o_proj, theirs[0].self_attn.o_proj), (first.mlp, theirs[0].mlp),
-                 (first.post_attention_layernorm, theirs[0].post_attention_layernorm)]
-        pairs += [(mine, source) for mine, source in zip(self.extra_layers, theirs[1:], strict=True)]
-        for mine, source in pairs:
-            state = source.state_dict()
+            _copy(weight[:, hidden:], state[f"self_attn.{name}.weight"], f"{name} of layer 0")
+        _copy(first.hidden_norm.weight, state["input_layernorm.weight"], "the input norm of layer 0")
+        for key, weight in first.state_dict().items():
+            if not key.startswith(("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "hidden_norm",
+                                   "input_layernorm")):
+                _copy(weight, state.get(key), key)
+        for mine, source in zip(self.extra_layers, theirs[1:], strict=True):
+            state = _layer_state(source, mine.state_dict().keys())
             for key, weight in mine.state_dict().items():
                 _copy(weight, state.get(key), key)
 
@@ -223,6 +230,17 @@ class Eagle3Drafter(Drafter):
         drafter.check_target(target)
         load_drafter_weights(drafter, path, "EAGLE-3")
         return drafter.to(device=target.device, dtype=target.dtype).eval()
+
+
+def _layer_state(layer: nn.Module, wanted: set[str]) -> dict[str, Tensor]:
+    """A target decoder layer's weights, refused when it holds any the draft layer has no place for (q/k/v biases
+    apart: Qwen2's, left out) or keeps none (weights packed for decoding's exact kernels)."""
+    state = layer.state_dict()
+    extra = sorted(k for k in state if k not in wanted and not k.endswith("_proj.bias"))
+    if extra or not any(k.endswith("q_proj.weight") for k in state):
+        found = f"weights a Llama layer does not have ({', '.join(extra[:4])})" if extra else "no q_proj weight"
+        raise UserError(f"cannot start the draft layers from the target's: its decoder layer holds {found}")
+    return state
 
 
 def _copy(dst: Tensor, src: Tensor | None, what: str) -> None:

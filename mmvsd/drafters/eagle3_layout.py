@@ -208,8 +208,10 @@ def rope_settings(raw: dict) -> dict:
 def check_supported(raw: dict, path: Path) -> None:
     """Refuse what our one-layer, plain-rope, bias-free drafter cannot compute the same way."""
     problems = []
-    if raw.get("num_hidden_layers", 1) != 1:
-        problems.append(f"{raw['num_hidden_layers']} draft layers (ours has 1)")
+    if raw.get("num_hidden_layers", 1) != 1 or raw.get("num_layers", 1) != 1:
+        layers = raw.get("num_hidden_layers", 1) if raw.get("num_hidden_layers", 1) != 1 else raw["num_layers"]
+        problems.append(f"{layers} draft layers (this format holds 1; a multi-layer folder of mmvsd's loads as "
+                        f"the plain folder, the hf layout)")
     if raw.get("hidden_act", "silu") != "silu":
         problems.append(f"activation {raw['hidden_act']!r} (ours is silu)")
     if raw.get("attention_bias") or raw.get("mlp_bias"):

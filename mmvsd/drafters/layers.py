@@ -1,5 +1,5 @@
 """The layers the EAGLE-family drafters share: Llama's RMSNorm, rotary embedding, grouped-query attention over
-an external ragged cache and gated MLP, and the sizes a one-layer drafter copies from its target."""
+an external ragged cache and gated MLP, and the sizes a drafter's layers copy from its target."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class AttentionSizes(Protocol):
 
 
 def layer_sizes(target) -> dict:
-    """The sizes of `target`'s decoder layers that a one-layer drafter copies, plus its vocabulary and name."""
+    """The sizes of `target`'s decoder layers that a drafter's layers copy, plus its vocabulary and name."""
     text = target.model.config.get_text_config(decoder=True)
     heads = text.num_attention_heads
     return {

@@ -16,6 +16,7 @@ processing included, as a user waits for it; llama.cpp's own draft counts go int
 
 from __future__ import annotations
 
+import json
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -86,6 +87,13 @@ def check_llamacpp_config(config) -> None:
     target_file(config.target_name())
     if "assisted" in config.methods:
         target_file(config.assistant)
+    for spec in config.drafters or []:
+        folder = Path(spec).expanduser()
+        layers = json.loads((folder / "config.json").read_text()).get("num_layers", 1) if (
+            folder / "config.json").is_file() else 1
+        if layers != 1:
+            raise UserError(f"--drafter {spec}: llama.cpp's EAGLE-3 holds one decoder layer; this drafter has "
+                            f"{layers} (bench it with --engine mmvsd)")
     for spec in (config.drafters or ["default"]) if config.chain == AUTO else []:
         if draft_model_name(spec, config.target_name()) is not None:
             raise UserError(f"--chain auto plans neural drafters' chains (mmvsd's exact replay does not run a draft "

@@ -116,6 +116,9 @@ class TrainConfig:
             raise UserError("no target: pass --target NAME")
         if not self.output:
             raise UserError("no output folder: pass --output DIR")
+        if self.init_layers_from_target and self.target_engine == "exact":
+            raise UserError("init_layers_from_target=true reads the target's layer weights, which decoding's exact "
+                            "kernels pack away: use target_engine=stock")
         if self.wait_for_shards and self.data_order != "shards":
             raise UserError("wait_for_shards=true waits for a regeneration's shards: it takes data_order=shards")
         if self.data_order == "shards" and (self.features != "online" or self.regenerate != "none"):

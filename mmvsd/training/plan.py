@@ -129,8 +129,9 @@ def drafted_row_bytes(config: TrainConfig, target: Target, draft_vocab: int) -> 
 
 
 def drafter_layer_bytes(config: TrainConfig, target: Target) -> int:
-    """The drafter layer's activations per row (the decoder layer's widths, read as a drafter copies them)."""
-    return (12 * target.hidden_size + 3 * layer_sizes(target)["intermediate_size"]) * DTYPE_BYTES[config.precision]
+    """The drafter layers' activations per row (the decoder layer's widths, read as a drafter copies them)."""
+    width = 12 * target.hidden_size + 3 * layer_sizes(target)["intermediate_size"]
+    return config.draft_layers * width * DTYPE_BYTES[config.precision]
 
 
 def kv_bytes_per_token(target: Target) -> int:
@@ -224,8 +225,9 @@ def describe_plan(config: TrainConfig, argv: list[str], num_gpus: int) -> str:
     groups = parameter_groups(target)
     target_params = sum(groups.values())
     init, init_vocab = resolve_init_offline(config)
+    layers = {"num_layers": config.draft_layers} if config.draft_layers != 1 else {}
     drafter = drafter_class(config.drafter).from_target(target, draft_vocab_size=init_vocab or config.draft_vocab_size,
-                                                        num_layers=config.draft_layers)
+                                                        **layers)
     trainable = count(drafter, trainable_only=True)
     draft_vocab = drafter.draft_vocab_size
     data = data_plan(config, image_tokens_per_image(target.model.config)) if config.features == "online" else None

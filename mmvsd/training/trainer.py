@@ -143,8 +143,10 @@ def build_drafter(config: TrainConfig, target: Target, train_examples: list) -> 
         if drafter.drafter_type != config.drafter:
             raise UserError(f"--init {config.init} holds a {drafter.drafter_type!r} drafter, not {config.drafter!r}")
         return fp32_master_weights(drafter).train()
+    layers = {"num_layers": config.draft_layers} if config.draft_layers != 1 else {}  # (a kind of one layer may
+    # predate the argument)
     drafter = drafter_class(config.drafter).from_target(target, draft_vocab_size=config.draft_vocab_size,
-                                                        seed=config.seed, num_layers=config.draft_layers)
+                                                        seed=config.seed, **layers)
     counts = token_frequencies(train_examples, target.vocab_size)
     drafter.set_draft_vocab(draft_vocab_from_counts(counts, drafter.draft_vocab_size))
     if config.init_from_target:
@@ -168,9 +170,13 @@ def check_init(config: TrainConfig) -> InitSource | None:
     source = resolve_init(config.init, config.target)
     if source is not None and source.layout.drafter_type not in ("", config.drafter):
         raise UserError(f"--init {config.init} holds a {source.layout.drafter_type!r} drafter, not {config.drafter!r}")
-    if source is not None and (config.draft_layers != 1 or config.init_layers_from_target):
+    shapes_layers = config.draft_layers != 1 or config.init_layers_from_target
+    if source is not None and shapes_layers:
         raise UserError(f"--init {config.init} starts from a trained drafter: draft_layers and "
                         f"init_layers_from_target shape a fresh one")
+    if shapes_layers and not drafter_class(config.drafter).stacks_layers:
+        raise UserError(f"a {config.drafter} drafter has one decoder layer of its own: draft_layers and "
+                        f"init_layers_from_target are EAGLE-3's")
     return source
 
 
