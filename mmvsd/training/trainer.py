@@ -143,8 +143,8 @@ def build_drafter(config: TrainConfig, target: Target, train_examples: list) -> 
         if drafter.drafter_type != config.drafter:
             raise UserError(f"--init {config.init} holds a {drafter.drafter_type!r} drafter, not {config.drafter!r}")
         return fp32_master_weights(drafter).train()
-    layers = {"num_layers": config.draft_layers} if config.draft_layers != 1 else {}  # (a kind of one layer may
-    # predate the argument)
+    # num_layers only when asked for: a plugin's kind of one layer may predate the argument
+    layers = {"num_layers": config.draft_layers} if config.draft_layers != 1 else {}
     drafter = drafter_class(config.drafter).from_target(target, draft_vocab_size=config.draft_vocab_size,
                                                         seed=config.seed, **layers)
     counts = token_frequencies(train_examples, target.vocab_size)
