@@ -170,14 +170,21 @@ def check_init(config: TrainConfig) -> InitSource | None:
     source = resolve_init(config.init, config.target)
     if source is not None and source.layout.drafter_type not in ("", config.drafter):
         raise UserError(f"--init {config.init} holds a {source.layout.drafter_type!r} drafter, not {config.drafter!r}")
-    shapes_layers = config.draft_layers != 1 or config.init_layers_from_target
-    if source is not None and shapes_layers:
+    check_layers(config)
+    return source
+
+
+def check_layers(config: TrainConfig) -> None:
+    """draft_layers and init_layers_from_target shape a fresh drafter of a kind that stacks layers (EAGLE-3's);
+    checked before anything reads the target (data=auto asks whether it takes images)."""
+    if config.draft_layers == 1 and not config.init_layers_from_target:
+        return
+    if config.init not in ("", "none"):
         raise UserError(f"--init {config.init} starts from a trained drafter: draft_layers and "
                         f"init_layers_from_target shape a fresh one")
-    if shapes_layers and not drafter_class(config.drafter).stacks_layers:
+    if not drafter_class(config.drafter).stacks_layers:
         raise UserError(f"a {config.drafter} drafter has one decoder layer of its own: draft_layers and "
                         f"init_layers_from_target are EAGLE-3's")
-    return source
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
@@ -320,6 +327,7 @@ def train(config: TrainConfig, target: Target | None = None, resume: bool = Fals
     if config.eval_every and validation is None:
         raise ValueError("eval_every > 0 needs a validation evaluator: train(..., validation=tau_monitor), "
                          "tau_monitor from mmvsd.eval.acceptance")
+    check_layers(config)
     config = resolve_training_data(config, target)  # data=auto: ShareGPT, or the LLaVA mixture for images
     out_dir = Path(config.output)
     resume_from = check_output(out_dir, resume)
