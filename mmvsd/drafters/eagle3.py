@@ -170,7 +170,7 @@ class Eagle3Drafter(Drafter):
                             f"start them from")
         theirs = layers[-self.config.num_layers:]
         first, hidden = self.midlayer, self.config.hidden_size
-        state = _layer_state(theirs[0], first.state_dict().keys() | {"input_layernorm.weight"})
+        state = _layer_state(theirs[0], set(first.state_dict()))
         for name in ("q_proj", "k_proj", "v_proj"):
             weight = getattr(first.self_attn, name).weight
             weight.zero_()
@@ -181,7 +181,7 @@ class Eagle3Drafter(Drafter):
                                    "input_layernorm")):
                 _copy(weight, state.get(key), key)
         for mine, source in zip(self.extra_layers, theirs[1:], strict=True):
-            state = _layer_state(source, mine.state_dict().keys())
+            state = _layer_state(source, set(mine.state_dict()))
             for key, weight in mine.state_dict().items():
                 _copy(weight, state.get(key), key)
 

@@ -208,8 +208,8 @@ def rope_settings(raw: dict) -> dict:
 def check_supported(raw: dict, path: Path) -> None:
     """Refuse what our one-layer, plain-rope, bias-free drafter cannot compute the same way."""
     problems = []
-    if raw.get("num_hidden_layers", 1) != 1 or raw.get("num_layers", 1) != 1:
-        layers = raw.get("num_hidden_layers", 1) if raw.get("num_hidden_layers", 1) != 1 else raw["num_layers"]
+    layers = next((raw[key] for key in ("num_hidden_layers", "num_layers") if raw.get(key, 1) != 1), 1)
+    if layers != 1:  # released configs say num_hidden_layers; mmvsd's own folders num_layers
         problems.append(f"{layers} draft layers (this format holds 1; a multi-layer folder of mmvsd's loads as "
                         f"the plain folder, the hf layout)")
     if raw.get("hidden_act", "silu") != "silu":

@@ -16,12 +16,12 @@ processing included, as a user waits for it; llama.cpp's own draft counts go int
 
 from __future__ import annotations
 
-import json
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+from mmvsd.checkpoints import CONFIG_FILE, read_config
 from mmvsd.decoding.decode import DecodeConfig, SequenceResult
 from mmvsd.drafters.export_spec import draft_model_name, drafter_folder
 from mmvsd.engines.llamacpp_server import LlamaServer
@@ -89,8 +89,7 @@ def check_llamacpp_config(config) -> None:
         target_file(config.assistant)
     for spec in config.drafters or []:
         folder = Path(spec).expanduser()
-        layers = json.loads((folder / "config.json").read_text()).get("num_layers", 1) if (
-            folder / "config.json").is_file() else 1
+        layers = read_config(folder).get("num_layers", 1) if (folder / CONFIG_FILE).is_file() else 1
         if layers != 1:
             raise UserError(f"--drafter {spec}: llama.cpp's EAGLE-3 holds one decoder layer; this drafter has "
                             f"{layers} (bench it with --engine mmvsd)")

@@ -31,7 +31,6 @@ import torch
 
 import mmvsd.configs
 from mmvsd.data.conversations import parse_dataset_spec, read_conversations
-from mmvsd.drafter_base import drafter_class
 from mmvsd.drafters.layers import layer_sizes
 from mmvsd.errors import UserError
 from mmvsd.target import Target
@@ -41,7 +40,7 @@ from mmvsd.training.drafter_init import resolve_init
 from mmvsd.training.feature_cache import feature_bytes_per_token
 from mmvsd.training.shard_stream import finished_shards
 from mmvsd.training.terms import ESTEP_CORRECTIONS, objective_terms
-from mmvsd.training.trainer import check_dataset_exists, dataset_image_root, total_steps
+from mmvsd.training.trainer import check_dataset_exists, dataset_image_root, fresh_drafter, total_steps
 from mmvsd.training.training_data import resolve_training_data, target_config_path, text_only_warning
 
 ZERO2 = Path(mmvsd.configs.__file__).parent / "accelerate_zero2.yaml"
@@ -225,9 +224,7 @@ def describe_plan(config: TrainConfig, argv: list[str], num_gpus: int) -> str:
     groups = parameter_groups(target)
     target_params = sum(groups.values())
     init, init_vocab = resolve_init_offline(config)
-    layers = {"num_layers": config.draft_layers} if config.draft_layers != 1 else {}
-    drafter = drafter_class(config.drafter).from_target(target, draft_vocab_size=init_vocab or config.draft_vocab_size,
-                                                        **layers)
+    drafter = fresh_drafter(config, target, init_vocab or config.draft_vocab_size)
     trainable = count(drafter, trainable_only=True)
     draft_vocab = drafter.draft_vocab_size
     data = data_plan(config, image_tokens_per_image(target.model.config)) if config.features == "online" else None

@@ -143,10 +143,7 @@ def build_drafter(config: TrainConfig, target: Target, train_examples: list) -> 
         if drafter.drafter_type != config.drafter:
             raise UserError(f"--init {config.init} holds a {drafter.drafter_type!r} drafter, not {config.drafter!r}")
         return fp32_master_weights(drafter).train()
-    # num_layers only when asked for: a plugin's kind of one layer may predate the argument
-    layers = {"num_layers": config.draft_layers} if config.draft_layers != 1 else {}
-    drafter = drafter_class(config.drafter).from_target(target, draft_vocab_size=config.draft_vocab_size,
-                                                        seed=config.seed, **layers)
+    drafter = fresh_drafter(config, target, config.draft_vocab_size)
     counts = token_frequencies(train_examples, target.vocab_size)
     drafter.set_draft_vocab(draft_vocab_from_counts(counts, drafter.draft_vocab_size))
     if config.init_from_target:
@@ -154,6 +151,14 @@ def build_drafter(config: TrainConfig, target: Target, train_examples: list) -> 
     if config.init_layers_from_target:
         drafter.init_layers_from_target(target)
     return fp32_master_weights(drafter).train()
+
+
+def fresh_drafter(config: TrainConfig, target: Target, draft_vocab_size: int) -> Drafter:
+    """A freshly initialised drafter of the config's kind and layers (num_layers passed only when asked for: a
+    plugin's kind of one layer may predate the argument)."""
+    layers = {"num_layers": config.draft_layers} if config.draft_layers != 1 else {}
+    return drafter_class(config.drafter).from_target(target, draft_vocab_size=draft_vocab_size, seed=config.seed,
+                                                     **layers)
 
 
 def fp32_master_weights(drafter: Drafter) -> Drafter:
@@ -170,7 +175,6 @@ def check_init(config: TrainConfig) -> InitSource | None:
     source = resolve_init(config.init, config.target)
     if source is not None and source.layout.drafter_type not in ("", config.drafter):
         raise UserError(f"--init {config.init} holds a {source.layout.drafter_type!r} drafter, not {config.drafter!r}")
-    check_layers(config)
     return source
 
 

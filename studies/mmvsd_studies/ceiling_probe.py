@@ -24,6 +24,7 @@ import sys
 from importlib.resources import files
 from pathlib import Path
 
+from mmvsd.prompts import prompt_domains
 from mmvsd_studies.scale_pilot import format_pilot, pilot
 
 # probe -> (what it asks, the cheaper arm (the baseline) and the other, each NAME: its settings)
@@ -79,10 +80,6 @@ def trained_steps(out: Path) -> dict:
     return {key: last[key] for key in ("step", "tokens_seen", "acc_0", "acc_0_all", "loss") if key in last}
 
 
-def domains_of(heldout: str) -> list[str]:
-    return [json.loads(line).get("domain", "") for line in Path(heldout).read_text().splitlines() if line.strip()]
-
-
 def compare(reports: dict[str, dict], baseline: str, domains: list[str]) -> dict:
     """The pooled comparison and one per domain (the prompts of that domain alone)."""
     result = {"all": pilot(reports, baseline, {})}
@@ -114,7 +111,7 @@ def run_probe(args: argparse.Namespace) -> dict:
     return {"probe": args.probe, "question": question, "baseline": baseline, "minutes_per_arm": args.minutes,
             "data": args.data, "heldout": args.heldout, "shared_settings": SHARED, "eval": EVAL,
             "arms": {name: {"settings": arms[name], **json.loads((work / name / DONE).read_text())} for name in arms},
-            "comparison": compare(reports, baseline, domains_of(args.heldout))}
+            "comparison": compare(reports, baseline, prompt_domains(args.heldout))}
 
 
 def main(argv: list[str] | None = None) -> int:
