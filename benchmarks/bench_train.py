@@ -45,15 +45,16 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--target-engine", default=TrainConfig.target_engine, choices=("exact", "stock"))
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--ttt-steps", type=int, default=ObjectiveConfig.ttt_steps)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--variants", default="ce,vsd:S=8,vsd:S=40,vsd:S=8:L=4,vsd:S=8:A=4,vsd-kl:S=8")
     p.add_argument("--out", default="benchmarks/results/bench_train.json")
     return p.parse_args()
 
 
 def variant_config(spec: str, anchors: int, ttt_steps: int = ObjectiveConfig.ttt_steps) -> tuple[str, ObjectiveConfig]:
-    """'vsd:S=8:L=4:A=8' -> ("vsd", ObjectiveConfig(num_samples=8, path_length=4, num_anchors=8))."""
+    """'vsd:S=8:L=4:A=8:T=3' -> ("vsd", ObjectiveConfig(num_samples=8, path_length=4, num_anchors=8, ttt_steps=3))."""
     name, *settings = spec.split(":")
-    keys = {"S": "num_samples", "L": "path_length", "A": "num_anchors"}
+    keys = {"S": "num_samples", "L": "path_length", "A": "num_anchors", "T": "ttt_steps"}
     values = {"num_anchors": anchors, "ttt_steps": ttt_steps}
     for item in settings:
         key, _, value = item.partition("=")
@@ -73,6 +74,8 @@ def timed_step(objective, drafter, optimizer, target, batch, seed: int, bf16: bo
 
 def main() -> None:
     args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     target = load_training_target(TrainConfig(target=args.target, target_dtype=args.target_dtype,
                                               target_engine=args.target_engine), "cpu")
@@ -88,6 +91,8 @@ def main() -> None:
     objectives = {spec: make_objective(name, cfg) for spec, name, cfg in variants}
     times: dict[str, list[float]] = {spec: [] for spec in objectives}
     capture: list[float] = []
+    capture_seconds: list[float] = []
+    tokens_per_step: list[int] = []
     for round_index in range(args.rounds + 1):  # round 0 is the warm-up
         rows = examples[round_index * args.batch_size : (round_index + 1) * args.batch_size]
         tokens = collate(rows)
@@ -100,18 +105,34 @@ def main() -> None:
                 times[spec].append(seconds)
         if round_index:
             capture.append(int(tokens.lengths.sum()) / elapsed)
+            capture_seconds.append(elapsed)
+            tokens_per_step.append(int(tokens.lengths.sum()))
         print(f"round {round_index}: {int(tokens.lengths.sum())} tokens", flush=True)
     base = statistics.median(times["ce"]) if "ce" in times else None
-    report = {"target": args.target, "args": vars(args), "engine": target.engine,
+    report = {"target": args.target, "args": vars(args), "engine": target.engine, "threads": torch.get_num_threads(),
               "feature_capture_tokens_per_s": statistics.median(capture),
               "step_seconds": {k: statistics.median(v) for k, v in times.items()}}
-    print(f"feature capture: {report['feature_capture_tokens_per_s']:.0f} tokens/s (median)")
+    report["tokens_per_core_hour"] = core_hour_rates(report, statistics.median(capture_seconds),
+                                                     statistics.median(tokens_per_step))
+    print(f"feature capture: {report['feature_capture_tokens_per_s']:.0f} tokens/s (median), "
+          f"{report['threads']} thread(s)")
     for spec, seconds in report["step_seconds"].items():
         ratio = f"{seconds / base:.2f}x ce" if base else ""
-        print(f"{spec:>16}: {seconds:.3f} s/step  {ratio}")
+        rates = report["tokens_per_core_hour"][spec]
+        print(f"{spec:>16}: {seconds:.3f} s/step  {ratio}  tokens per core-hour: "
+              f"{rates['online']:.0f} online, {rates['cached']:.0f} cached features")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     plot(report, Path(args.out).with_suffix(".png"))
+
+
+def core_hour_rates(report: dict, capture_seconds: float, tokens: int) -> dict[str, dict[str, float]]:
+    """Training tokens per core-hour of each variant: with features captured in the step (online) or read from a
+    cache (the drafter step alone; reading a cache costs next to nothing beside it). A core-hour is one of the
+    process's threads for an hour, so two one-thread processes and one two-thread process compare."""
+    core_hours = report["threads"] / 3600
+    return {spec: {"online": tokens / ((step + capture_seconds) * core_hours), "cached": tokens / (step * core_hours)}
+            for spec, step in report["step_seconds"].items()}
 
 
 def plot(report: dict, path: Path) -> None:
