@@ -37,7 +37,7 @@ PROBES: dict[str, tuple[str, dict[str, list[str]]]] = {
               {"vocab-8k": ["draft_vocab_size=8192"], "vocab-32k": ["draft_vocab_size=32768"]}),
 }
 # The minutes bind, not the data: shuffled epochs over the folder's conversations and a schedule over 2,000 steps,
-# of which an arm reaches about 200 (the rate stays within 3% of its peak). Probe (a) ran with data_order=shards,
+# of which an arm reaches 150-300 (the rate stays within 5% of its peak). Probe (a) ran with data_order=shards,
 # which stops where the finished shards end: both arms stopped after one pass, at 112 steps (docs/training.md).
 SHARED = ["objective=ce", "data_order=shuffle", "max_steps=2000", "max_length=512", "batch_size=4",
           "learning_rate=3e-4", "warmup_steps=10", "precision=fp32", "target_dtype=fp32", "validation_fraction=0",
