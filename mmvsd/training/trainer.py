@@ -183,7 +183,7 @@ def check_layers(config: TrainConfig) -> None:
     checked before anything reads the target (data=auto asks whether it takes images)."""
     if config.draft_layers == 1 and not config.init_layers_from_target:
         return
-    if config.init not in ("", "none"):
+    if config.init != "none":  # resolve_init's "no --init"
         raise UserError(f"--init {config.init} starts from a trained drafter: draft_layers and "
                         f"init_layers_from_target shape a fresh one")
     if not drafter_class(config.drafter).stacks_layers:
