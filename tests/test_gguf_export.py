@@ -82,7 +82,7 @@ def test_gguf_tensors_are_the_drafters_weights(exported):
         data = torch.tensor(np.asarray(tensor.data, dtype=np.float32).reshape(want.shape))
         assert torch.allclose(data, want, atol=1e-3, rtol=1e-3), name  # f16 matrices, f32 norms
         assert (tensor.tensor_type.name == "F32") == (want.dim() == 1), name
-    d2t = torch.from_numpy(np.asarray(found["d2t"].data, dtype=np.int64))
+    d2t = torch.tensor(np.asarray(found["d2t"].data, dtype=np.int64))  # a copy: the reader maps the file read-only
     assert torch.equal(d2t, drafter.draft_vocab_target_ids().cpu())  # absolute target ids
     assert torch.equal(d2t, state["d2t"].long() + torch.arange(len(d2t)))
 
