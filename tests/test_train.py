@@ -247,6 +247,14 @@ def test_config_resolution_order(tmp_path):
     assert (config.loss.num_samples, config.loss.use_car, config.loss.path_length) == (3, False, 7)
     shipped = load_train_config("smollm2_cpu", {"output": "o"}, [])
     assert shipped.target == "smollm2-135m" and shipped.draft_vocab_size == 8192
+    # a run's length given last wins: `epochs` on the command line replaces the file's `max_steps`
+    assert (shipped.max_steps, shipped.epochs) == (400, 1.0)
+    assert load_train_config("smollm2_cpu", {"output": "o"}, ["epochs=6"]).max_steps == 0
+    both = load_train_config("smollm2_cpu", {"output": "o"}, ["epochs=6", "max_steps=50"])
+    assert (both.max_steps, both.epochs) == (50, 6.0)
+    assert load_train_config("smollm2_cpu", {"output": "o"}, ["learning_rate=1e-3"]).max_steps == 400
+    yaml_file.write_text("target: a\noutput: o\nepochs: 3\n")
+    assert load_train_config(str(yaml_file), {}, ["max_steps=7"]).max_steps == 7
     # VSD's paths are as deep as the tree the drafter is evaluated with, unless the path length is given
     assert load_train_config(None, {"target": "a", "output": "o"}, ["eval_tree=60/5/8"]).loss.path_length == 5
     assert load_train_config(str(yaml_file), {}, ["eval_tree=60/5/8", "loss.path_length=3"]).loss.path_length == 3

@@ -64,7 +64,8 @@ class TrainConfig:
     # (instead of batch_size; such a run may resume with another number of processes)
     grad_accum: int = 1
     epochs: float = 1.0
-    max_steps: int = 0  # optimizer steps; > 0 overrides epochs
+    max_steps: int = 0  # optimizer steps; > 0 overrides epochs (`epochs` given later, e.g. on the command line
+    # over a file's `max_steps`, sets it back to 0: the length given last wins)
     max_minutes: float = 0.0  # > 0: also stop (checkpoint and publish) after this much wall-clock time (per
     # process: a resumed run may be given another budget)
     stop_at_step: int = 0  # > 0: stop (checkpoint and publish) at this optimizer step, as max_minutes does; the
@@ -251,6 +252,10 @@ def load_train_config(config_file: str | None, flags: dict[str, Any], overrides:
     _apply(config, overridden)
     if all("drafter" not in given or given["drafter"] is None for given in (values, flags, overridden)):
         config.drafter = init_drafter_type(config.init) or config.drafter  # `--init vispec` trains a ViSpec drafter
+    length_given = [given for given in (values, flags, overridden) if {"epochs", "max_steps"} & {
+        key for key, value in given.items() if value is not None}]
+    if length_given and "max_steps" not in length_given[-1]:
+        config.max_steps = 0  # `epochs=N` on top of a file's `max_steps`: the run's length given last wins
     if all("path_length" not in (given.get("loss") or {}) for given in (values, overridden)):
         config.loss.path_length = tree_depth(config.eval_tree, config.loss.path_length)  # VSD's paths: tree deep
     config.validate()
