@@ -25,7 +25,7 @@ from importlib.resources import files
 from pathlib import Path
 
 from mmvsd.prompts import prompt_domains
-from mmvsd_studies.scale_pilot import format_pilot, pilot
+from mmvsd_studies.scale_pilot import format_pilot, pilot_by_domain
 
 # probe -> (what it asks, the cheaper arm (the baseline) and the other, each NAME: its settings)
 PROBES: dict[str, tuple[str, dict[str, list[str]]]] = {
@@ -83,16 +83,6 @@ def trained_steps(out: Path) -> dict:
     return {key: last[key] for key in ("step", "tokens_seen", "acc_0", "acc_0_all", "loss") if key in last}
 
 
-def compare(reports: dict[str, dict], baseline: str, domains: list[str]) -> dict:
-    """The pooled comparison and one per domain (the prompts of that domain alone)."""
-    result = {"all": pilot(reports, baseline, {})}
-    for domain in dict.fromkeys(d for d in domains if d):
-        keep = [i for i, d in enumerate(domains) if d == domain]
-        subset = {name: {**report, "prompts": [report["prompts"][i] for i in keep]} for name, report in reports.items()}
-        result[domain] = pilot(subset, baseline, {})
-    return result
-
-
 def run_probe(args: argparse.Namespace) -> dict:
     question, arms = PROBES[args.probe]
     work = Path(args.work).expanduser() / args.probe
@@ -114,7 +104,7 @@ def run_probe(args: argparse.Namespace) -> dict:
     return {"probe": args.probe, "question": question, "baseline": baseline, "minutes_per_arm": args.minutes,
             "data": args.data, "heldout": args.heldout, "shared_settings": SHARED, "eval": EVAL,
             "arms": {name: {"settings": arms[name], **json.loads((work / name / DONE).read_text())} for name in arms},
-            "comparison": compare(reports, baseline, prompt_domains(args.heldout))}
+            "comparison": pilot_by_domain(reports, baseline, prompt_domains(args.heldout))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,8 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         if not Path(path).expanduser().exists():
             sys.exit(f"ceiling_probe: {what} {path} not found")
     result = run_probe(args)
-    for scope, comparison in result["comparison"].items():
-        print(f"{scope}:\n{format_pilot(comparison)}")
+    print("\n".join(f"{scope}:\n{format_pilot(scoped)}" for scope, scoped in result["comparison"].items()))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -15,7 +15,8 @@ same way loses; anything else is a tie, and a tie goes to the cheaper objective 
 first). `--reference NAME=REPORT` (e.g. the arms' start) is measured and compared the same way but is not a
 candidate. `--tau NAME=REPORT` adds a secondary tau (the paper's tree: 60/7/10, or 60/5/8 on image prompts),
 reported beside the primary measures as `tau_BUDGET_DEPTH_TOPK`. `NAME=A.json,B.json` reads several reports of one
-drafter (e.g. one per image task) as one, their prompts in that order.
+drafter (e.g. one per image task) as one, their prompts in that order. `--heldout PROMPTS.jsonl` (the reports'
+prompt file, each line with its `domain`) compares pooled and then per domain, the prompts of each alone.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mmvsd.prompts import prompt_domains
 from mmvsd.shipped import held_out_tau_key
 from mmvsd_studies.study_stats import (
     bootstrap_taus,
@@ -72,8 +74,8 @@ def verdict(comparison: dict[str, dict]) -> str:
     return "tie"
 
 
-def pilot(reports: dict[str, dict], baseline: str, taus: dict[str, dict], references: tuple[str, ...] = (),
-          resamples_count: int = 2000, seed: int = 0) -> dict:
+def pilot(reports: dict[str, dict], baseline: str, taus: dict[str, dict] | None = None,
+          references: tuple[str, ...] = (), resamples_count: int = 2000, seed: int = 0) -> dict:
     """Every arm's measures with intervals, each non-baseline arm against the baseline, and the decision (among
     the arms that are not `references`)."""
     sizes = {len(report["prompts"]) for report in reports.values()}
@@ -81,6 +83,7 @@ def pilot(reports: dict[str, dict], baseline: str, taus: dict[str, dict], refere
         sys.exit(f"scale_pilot: the reports hold different numbers of prompts ({sorted(sizes)})")
     resamples = prompt_resamples(sizes.pop(), resamples_count, seed)
     counts = {name: prompt_counts(report) for name, report in reports.items()}
+    taus = taus or {}
     out: dict = {"baseline": baseline, "arms": {}, "resamples": resamples_count}
     for name, measures in counts.items():
         row = {}
@@ -97,6 +100,23 @@ def pilot(reports: dict[str, dict], baseline: str, taus: dict[str, dict], refere
     best = max(beaten, key=lambda n: out["arms"][n]["vs_baseline"]["chain_3"]["diff"]) if beaten else baseline
     out["decision"] = best
     return out
+
+
+def pilot_by_domain(reports: dict[str, dict], baseline: str, domains: list[str], taus: dict[str, dict] | None = None,
+                    references: tuple[str, ...] = ()) -> dict:
+    """`pilot` pooled ("all") and once per domain, on the prompts of that domain alone (`domains[i]` names prompt
+    i's; [] or "" for none), the tau reports' prompts split the same way."""
+    result = {"all": pilot(reports, baseline, taus, references)}
+    if domains and {len(report["prompts"]) for report in reports.values()} != {len(domains)}:
+        sys.exit(f"scale_pilot: the reports' prompts do not match the {len(domains)} held-out prompts' domains")
+    for domain in dict.fromkeys(d for d in domains if d):
+        keep = [i for i, d in enumerate(domains) if d == domain]
+
+        def subset(named: dict[str, dict], keep: list[int] = keep) -> dict[str, dict]:
+            return {name: {**report, "prompts": [report["prompts"][i] for i in keep]} for name, report in named.items()}
+
+        result[domain] = pilot(subset(reports), baseline, subset(taus or {}), references)
+    return result
 
 
 def format_pilot(result: dict) -> str:
@@ -139,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--baseline", required=True)
     parser.add_argument("--reference", action="append", default=[], help="NAME=REPORT.json, compared, not a candidate")
     parser.add_argument("--tau", action="append", default=[], help="NAME=REPORT.json at the paper's tree (secondary)")
+    parser.add_argument("--heldout", help="the reports' prompt file (JSONL with `domain`): also compared per domain")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     references = _named(args.reference, "--reference")
@@ -146,8 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline not in reports or args.baseline in references:
         names = ", ".join(item.partition("=")[0] for item in args.arm)
         sys.exit(f"scale_pilot: --baseline {args.baseline!r} must be one of the arms ({names})")
-    result = pilot(reports, args.baseline, _named(args.tau, "--tau"), tuple(references))
-    print(format_pilot(result))
+    taus = _named(args.tau, "--tau")
+    if args.heldout:  # {"all": ..., "chat": ..., ...}
+        if not Path(args.heldout).is_file():
+            sys.exit(f"scale_pilot: --heldout {args.heldout} not found")
+        result = pilot_by_domain(reports, args.baseline, prompt_domains(args.heldout), taus, tuple(references))
+        print("\n".join(f"{scope}:\n{format_pilot(scoped)}" for scope, scoped in result.items()))
+    else:
+        result = pilot(reports, args.baseline, taus, tuple(references))
+        print(format_pilot(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from mmvsd_studies import ceiling_probe
-from mmvsd_studies.ceiling_probe import DONE, PROBES, compare, eval_command, run_probe, train_command
+from mmvsd_studies.ceiling_probe import DONE, PROBES, eval_command, run_probe, train_command
+from mmvsd_studies.scale_pilot import pilot_by_domain
 
 
 def report(first_steps: list[list[int]]) -> dict:
@@ -35,13 +36,13 @@ def test_the_comparison_pools_and_splits_by_domain():
     better = [[1, 1, 2], [2, 3, 1], [1, 1, 1], [3, 2, 2]] * 5
     worse = [[0, 0, 1], [1, 0, 0], [0, 1, 0], [0, 0, 0]] * 5
     domains = ["chat", "math"] * 10
-    result = compare({"base": report(worse), "other": report(better)}, "base", domains)
+    result = pilot_by_domain({"base": report(worse), "other": report(better)}, "base", domains)
     assert set(result) == {"all", "chat", "math"}
     assert result["all"]["arms"]["other"]["verdict"] == "beats" and result["all"]["decision"] == "other"
     first = result["all"]["arms"]["other"]["first_token"]["value"]
     assert first == pytest.approx(1.0)  # every step of the better arm accepted its first draft token
     assert result["all"]["arms"]["base"]["first_token"]["value"] == pytest.approx(3 / 12)
-    tie = compare({"base": report(worse), "other": report(worse)}, "base", domains)
+    tie = pilot_by_domain({"base": report(worse), "other": report(worse)}, "base", domains)
     assert tie["all"]["arms"]["other"]["verdict"] == "tie" and tie["all"]["decision"] == "base"
 
 

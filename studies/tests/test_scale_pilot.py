@@ -62,6 +62,29 @@ def test_an_arm_may_be_several_reports_read_as_one(tmp_path, capsys):
         scale_pilot.main(["--arm", f"a={tmp_path / 'a1.json'},{tmp_path / 'a2.json'}", "--baseline", "a"])
 
 
+def test_a_heldout_file_splits_the_comparison_by_domain(tmp_path, capsys):
+    """`--heldout`: pooled, then each domain on its own prompts, each equal to the pilot of those prompts alone."""
+    chat, math = [[1, 0, 2], [2, 0]], [[3, 3], [2, 1, 0]]
+    reports = {"base": _report(chat + math), "new": _report([[0, 0, 0], [0, 1]] + [[3, 3], [3, 3, 3]])}
+    for name, report in reports.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps({**report, "tree": "4/3/1"}))
+    heldout = tmp_path / "h.jsonl"
+    heldout.write_text("".join(json.dumps({"prompt": f"p{i}", "domain": d}) + "\n"
+                               for i, d in enumerate(["chat", "chat", "math", "math"])))
+    out = tmp_path / "out.json"
+    arms = [f"--arm={name}={tmp_path / name}.json" for name in reports]
+    assert scale_pilot.main([*arms, "--baseline", "base", "--heldout", str(heldout), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert list(result) == ["all", "chat", "math"] and "math:" in capsys.readouterr().out
+    alone = scale_pilot.pilot({"base": _report(math), "new": _report([[3, 3], [3, 3, 3]])}, "base")
+    assert result["math"] == json.loads(json.dumps(alone))
+    assert result["math"]["arms"]["base"]["first_token"]["value"] == pytest.approx(4 / 5)
+    assert result["all"] == json.loads(json.dumps(scale_pilot.pilot(reports, "base")))
+    heldout.write_text(json.dumps({"prompt": "p", "domain": "chat"}) + "\n")
+    with pytest.raises(SystemExit, match="do not match"):
+        scale_pilot.main([*arms, "--baseline", "base", "--heldout", str(heldout)])
+
+
 def test_heldout_prompts_are_the_datasets_last_chat_turns_and_later_benchmark_items(tmp_path):
     out = tmp_path / "heldout.jsonl"
     options = ["--chat", "3", "--math", "2", "--math-start", "5", "--code", "2", "--code-start", "150"]
