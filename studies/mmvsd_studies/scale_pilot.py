@@ -111,12 +111,13 @@ def pilot_by_domain(reports: dict[str, dict], baseline: str, domains: list[str],
         sys.exit(f"scale_pilot: the reports' prompts do not match the {len(domains)} held-out prompts' domains")
     for domain in dict.fromkeys(d for d in domains if d):
         keep = [i for i, d in enumerate(domains) if d == domain]
-
-        def subset(named: dict[str, dict], keep: list[int] = keep) -> dict[str, dict]:
-            return {name: {**report, "prompts": [report["prompts"][i] for i in keep]} for name, report in named.items()}
-
-        result[domain] = pilot(subset(reports), baseline, subset(taus or {}), references)
+        result[domain] = pilot(_prompts(reports, keep), baseline, _prompts(taus or {}, keep), references)
     return result
+
+
+def _prompts(named: dict[str, dict], keep: list[int]) -> dict[str, dict]:
+    """Each report with only the prompts `keep` indexes, in that order."""
+    return {name: {**report, "prompts": [report["prompts"][i] for i in keep]} for name, report in named.items()}
 
 
 def format_pilot(result: dict) -> str:
