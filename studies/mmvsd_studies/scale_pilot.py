@@ -10,8 +10,9 @@ the prompts pair. Per prompt, the tree steps after the prefill give the two prim
 - first_token: the share of steps that accepted at least one draft token;
 - chain_3: draft tokens accepted per step (0-3).
 Each arm minus the baseline, with a paired bootstrap 95% interval over prompts. An arm beats the baseline when its
-chain_3 interval lies above 0 and its first_token interval does not lie below 0; an arm the baseline beats the
-same way loses; anything else is a tie, and a tie goes to the cheaper objective (the order of `--arm`, cheapest
+chain_3 interval lies above 0 and its first_token interval does not lie below 0 (`--rule chain`, the pilot's); with
+`--rule first-token` (the issue's rule for a new default) when its first_token interval lies above 0 and its
+chain_3 interval does not lie below 0. An arm the baseline beats the same way loses; anything else is a tie, and a tie goes to the cheaper objective (the order of `--arm`, cheapest
 first). `--reference NAME=REPORT` (e.g. the arms' start) is measured and compared the same way but is not a
 candidate. `--tau NAME=REPORT` adds a secondary tau (the paper's tree: 60/7/10, or 60/5/8 on image prompts),
 reported beside the primary measures as `tau_BUDGET_DEPTH_TOPK`. `NAME=A.json,B.json` reads several reports of one
@@ -39,6 +40,7 @@ from mmvsd_studies.study_stats import (
 )
 
 MEASURES = ("first_token", "chain_3")
+RULES = {"chain": ("chain_3", "first_token"), "first-token": ("first_token", "chain_3")}  # (decides, must not oppose)
 
 
 def prompt_counts(report: dict) -> dict[str, tuple[np.ndarray, np.ndarray]]:
@@ -64,18 +66,19 @@ def tau_key(report: dict) -> str:
     return held_out_tau_key(report["tree"])
 
 
-def verdict(comparison: dict[str, dict]) -> str:
-    """beats | loses | tie, by the pre-registered rule (chain_3 decides, first_token must not go the other way)."""
-    chain, first = comparison["chain_3"]["diff_ci95"], comparison["first_token"]["diff_ci95"]
-    if chain[0] > 0 and not first[1] < 0:
+def verdict(comparison: dict[str, dict], rule: str = "chain") -> str:
+    """beats | loses | tie, by a pre-registered rule (RULES: one measure decides, the other must not go the other
+    way)."""
+    decides, other = (comparison[measure]["diff_ci95"] for measure in RULES[rule])
+    if decides[0] > 0 and not other[1] < 0:
         return "beats"
-    if chain[1] < 0 and not first[0] > 0:
+    if decides[1] < 0 and not other[0] > 0:
         return "loses"
     return "tie"
 
 
 def pilot(reports: dict[str, dict], baseline: str, taus: dict[str, dict] | None = None,
-          references: tuple[str, ...] = (), resamples_count: int = 2000, seed: int = 0) -> dict:
+          references: tuple[str, ...] = (), resamples_count: int = 2000, seed: int = 0, rule: str = "chain") -> dict:
     """Every arm's measures with intervals, each non-baseline arm against the baseline, and the decision (among
     the arms that are not `references`)."""
     sizes = {len(report["prompts"]) for report in reports.values()}
@@ -84,7 +87,7 @@ def pilot(reports: dict[str, dict], baseline: str, taus: dict[str, dict] | None 
     resamples = prompt_resamples(sizes.pop(), resamples_count, seed)
     counts = {name: prompt_counts(report) for name, report in reports.items()}
     taus = taus or {}
-    out: dict = {"baseline": baseline, "arms": {}, "resamples": resamples_count}
+    out: dict = {"baseline": baseline, "arms": {}, "resamples": resamples_count, "rule": rule}
     for name, measures in counts.items():
         row = {}
         for measure, counted in measures.items():  # a pooled ratio, as tau is: study_stats serves both
@@ -93,25 +96,26 @@ def pilot(reports: dict[str, dict], baseline: str, taus: dict[str, dict] | None 
         if name in taus:
             row[tau_key(taus[name])] = float(pooled_tau(*tau_counts(taus[name]))[0])
         if name != baseline:
-            row["vs_baseline"] = {m: compare_arms(counts[name][m], counts[baseline][m], resamples) for m in MEASURES}
-            row["verdict"] = verdict(row["vs_baseline"])
+            row["vs_baseline"] = {m: compare_arms(measures[m], counts[baseline][m], resamples) for m in MEASURES}
+            row["verdict"] = verdict(row["vs_baseline"], rule)
         out["arms"][name] = row
     beaten = [name for name, row in out["arms"].items() if row.get("verdict") == "beats" and name not in references]
-    best = max(beaten, key=lambda n: out["arms"][n]["vs_baseline"]["chain_3"]["diff"]) if beaten else baseline
+    deciding = RULES[rule][0]
+    best = max(beaten, key=lambda n: out["arms"][n]["vs_baseline"][deciding]["diff"]) if beaten else baseline
     out["decision"] = best
     return out
 
 
 def pilot_by_domain(reports: dict[str, dict], baseline: str, domains: list[str], taus: dict[str, dict] | None = None,
-                    references: tuple[str, ...] = ()) -> dict:
+                    references: tuple[str, ...] = (), rule: str = "chain") -> dict:
     """`pilot` pooled ("all") and once per domain, on the prompts of that domain alone (`domains[i]` names prompt
     i's; [] or "" for none), the tau reports' prompts split the same way."""
-    result = {"all": pilot(reports, baseline, taus, references)}
+    result = {"all": pilot(reports, baseline, taus, references, rule=rule)}
     if domains and {len(report["prompts"]) for report in reports.values()} != {len(domains)}:
         sys.exit(f"scale_pilot: the reports' prompts do not match the {len(domains)} held-out prompts' domains")
     for domain in dict.fromkeys(d for d in domains if d):
         keep = [i for i, d in enumerate(domains) if d == domain]
-        result[domain] = pilot(_prompts(reports, keep), baseline, _prompts(taus or {}, keep), references)
+        result[domain] = pilot(_prompts(reports, keep), baseline, _prompts(taus or {}, keep), references, rule=rule)
     return result
 
 
@@ -161,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference", action="append", default=[], help="NAME=REPORT.json, compared, not a candidate")
     parser.add_argument("--tau", action="append", default=[], help="NAME=REPORT.json at the paper's tree (secondary)")
     parser.add_argument("--heldout", help="the reports' prompt file (JSONL with `domain`): also compared per domain")
+    parser.add_argument("--rule", choices=sorted(RULES), default="chain",
+                        help="which measure decides: chain (the pilot's) or first-token (a new default's)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     references = _named(args.reference, "--reference")
@@ -172,10 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.heldout:  # {"all": ..., "chat": ..., ...}
         if not Path(args.heldout).is_file():
             sys.exit(f"scale_pilot: --heldout {args.heldout} not found")
-        result = pilot_by_domain(reports, args.baseline, prompt_domains(args.heldout), taus, tuple(references))
+        result = pilot_by_domain(reports, args.baseline, prompt_domains(args.heldout), taus, tuple(references),
+                                 args.rule)
         print("\n".join(f"{scope}:\n{format_pilot(scoped)}" for scope, scoped in result.items()))
     else:
-        result = pilot(reports, args.baseline, taus, tuple(references))
+        result = pilot(reports, args.baseline, taus, tuple(references), rule=args.rule)
         print(format_pilot(result))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -47,6 +47,17 @@ def test_an_arm_beats_loses_or_ties_by_the_registered_rule():
     assert "decision: ce+accept" in scale_pilot.format_pilot(result)
 
 
+def test_the_first_token_rule_decides_by_the_first_token():
+    """Fewer first tokens at an equal chain: a tie by the pilot's rule, a loss by a new default's; and the reverse."""
+    base, fewer_first = _report([[1, 1, 0, 0]] * 20), _report([[2, 0, 0, 0]] * 20)
+    chain = scale_pilot.pilot({"b": base, "a": fewer_first}, "b", {}, resamples_count=100)
+    first = scale_pilot.pilot({"b": base, "a": fewer_first}, "b", {}, resamples_count=100, rule="first-token")
+    assert chain["arms"]["a"]["verdict"] == "tie" and chain["rule"] == "chain"
+    assert first["arms"]["a"]["verdict"] == "loses" and first["rule"] == "first-token"
+    reverse = scale_pilot.pilot({"b": fewer_first, "a": base}, "b", {}, resamples_count=100, rule="first-token")
+    assert reverse["arms"]["a"]["verdict"] == "beats" and reverse["decision"] == "a"
+
+
 def test_an_arm_may_be_several_reports_read_as_one(tmp_path, capsys):
     """One report per image task: the arm's prompts are theirs in order, and the read-out equals one report's."""
     first, second = _report([[1, 0, 2]] * 3), _report([[0, 3]] * 4)
