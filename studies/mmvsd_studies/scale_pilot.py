@@ -11,13 +11,14 @@ the prompts pair. Per prompt, the tree steps after the prefill give the two prim
 - chain_3: draft tokens accepted per step (0-3).
 Each arm minus the baseline, with a paired bootstrap 95% interval over prompts. An arm beats the baseline when its
 chain_3 interval lies above 0 and its first_token interval does not lie below 0 (`--rule chain`, the pilot's); with
-`--rule first-token` (the issue's rule for a new default) when its first_token interval lies above 0 and its
-chain_3 interval does not lie below 0. An arm the baseline beats the same way loses; anything else is a tie, and a
-tie goes to the cheaper objective (the order of `--arm`, cheapest first). `--reference NAME=REPORT` (e.g. the
-arms' start) is measured and compared the same way but is not a candidate. `--tau NAME=REPORT` adds a secondary tau (the paper's tree: 60/7/10, or 60/5/8 on image prompts),
-reported beside the primary measures as `tau_BUDGET_DEPTH_TOPK`. `NAME=A.json,B.json` reads several reports of one
-drafter (e.g. one per image task) as one, their prompts in that order. `--heldout PROMPTS.jsonl` (the reports'
-prompt file, each line with its `domain`) compares pooled and then per domain, the prompts of each alone.
+`--rule first-token` (the issue's rule for a new default) when its first_token interval lies above 0 and its chain_3
+interval does not lie below 0. An arm the baseline beats the same way loses; anything else is a tie, and a tie goes
+to the cheaper objective (the order of `--arm`, cheapest first). `--reference NAME=REPORT` (e.g. the arms' start) is
+measured and compared the same way but is not a candidate. `--tau NAME=REPORT` adds a secondary tau (the paper's
+tree: 60/7/10, or 60/5/8 on image prompts), reported beside the primary measures as `tau_BUDGET_DEPTH_TOPK`.
+`NAME=A.json,B.json` reads several reports of one drafter (e.g. one per image task) as one, their prompts in that
+order. `--heldout PROMPTS.jsonl` (the reports' prompt file, each line with its `domain`) compares pooled and then
+per domain, the prompts of each alone.
 """
 
 from __future__ import annotations
