@@ -1,0 +1,114 @@
+"""Teacher-forced top-1 agreement of drafters on held-out prompts' greedy continuations, pooled and per domain.
+
+At every position of each continuation after its first token, the drafter's first unrolled step (as training
+unrolls it, from the target's features) against the target's top-1: the trainer's per-step `acc_0_all`
+(`objectives.ce_loss`, a label outside the draft vocabulary counted wrong), over held-out text instead of training
+batches. `mmvsd eval-drafter --tree 4/3/1` counts the first token once per decoding step instead, and a step starts
+only where the last chain ended, so the two differ by which positions they visit (docs/training.md, "The
+continuation, read once"). One target forward per prompt over prompt + continuation; the continuations are the ones
+eval-drafter cached for the same target, dtype, prompts and --max-new-tokens (generated here when absent).
+
+    python -m mmvsd_studies.heldout_agreement --target smollm2-135m --prompt-file h60.jsonl --max-new-tokens 128 \
+        --drafter eagle3-accept --drafter runs/cont --out agreement.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mmvsd.eval.acceptance import cached_greedy_continuations, prompt_continuation_batch
+from mmvsd.training.config import ObjectiveConfig
+from mmvsd.training.features import capture_features
+from mmvsd.training.objectives import Unroll, ce_loss
+from mmvsd_studies.study_stats import compare_arms, prompt_resamples
+
+
+def _sum(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    return total  # ce_loss's `mean` left as a sum: its metrics become counts
+
+
+@torch.no_grad()
+def agreement(target, drafter, prompts: list, continuations: list[list[int]]) -> list[dict[str, int]]:
+    """Per prompt: the continuation positions scored and how many of them the drafter's top-1 matches."""
+    rows = []
+    for prompt, continuation in zip(prompts, continuations):
+        batch = capture_features(target, prompt_continuation_batch(target, [prompt], [continuation]))
+        unroll = Unroll(drafter, batch)
+        _, counts = ce_loss(drafter, target, batch, ObjectiveConfig(ttt_steps=1), mean=_sum, unroll=unroll)
+        rows.append({"positions": int(unroll.label_mask(0).sum()), "correct": round(counts["acc_0_all"])})
+    return rows
+
+
+def summarise(rows: list[dict[str, int]], domains: list[str]) -> dict[str, float]:
+    """Agreement pooled over positions ("all") and per domain (`domains[i]` names prompt i's; [] for none)."""
+    scopes = {"all": list(range(len(rows)))}
+    for domain in dict.fromkeys(d for d in domains if d):
+        scopes[domain] = [i for i, d in enumerate(domains) if d == domain]
+    return {scope: sum(rows[i]["correct"] for i in keep) / max(sum(rows[i]["positions"] for i in keep), 1)
+            for scope, keep in scopes.items()}
+
+
+def versus(rows: list[dict[str, int]], baseline: list[dict[str, int]], domains: list[str],
+           resamples_count: int = 2000, seed: int = 0) -> dict[str, list[float]]:
+    """Per scope (as `summarise`): the difference in pooled agreement from `baseline`'s rows on the same prompts and
+    its paired bootstrap 95% interval over prompts, [diff, low, high]."""
+    scopes = {"all": list(range(len(rows)))}
+    for domain in dict.fromkeys(d for d in domains if d):
+        scopes[domain] = [i for i, d in enumerate(domains) if d == domain]
+    out = {}
+    for scope, keep in scopes.items():
+        def counts(of, keep=keep):
+            return (np.array([[of[i]["correct"] for i in keep]], dtype=float),
+                    np.array([[of[i]["positions"] for i in keep]], dtype=float))
+        compared = compare_arms(counts(rows), counts(baseline), prompt_resamples(len(keep), resamples_count, seed))
+        out[scope] = [compared["diff"], *compared["diff_ci95"]]
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mmvsd.decoding.engines import DEFAULT_ENGINE, get_engine
+    from mmvsd.drafters.spec import drafter_from_spec
+    from mmvsd.errors import UserError
+    from mmvsd.prompts import load_eval_prompts, prompt_domains
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--target", required=True)
+    parser.add_argument("--prompt-file", required=True, help="JSONL prompt file (with `domain` for figures per domain)")
+    parser.add_argument("--drafter", action="append", required=True, help="a drafter folder or shipped name; repeat")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    try:
+        target = get_engine(DEFAULT_ENGINE).load_target(args.target, args.dtype, "cpu")
+        prompts = load_eval_prompts(target, args.prompt_file)
+        continuations = cached_greedy_continuations(target, prompts, args.max_new_tokens)
+        domains = prompt_domains(args.prompt_file)
+        result = {"prompt_file": args.prompt_file, "max_new_tokens": args.max_new_tokens, "domains": domains,
+                  "drafters": {}}
+        for spec in args.drafter:
+            drafter = drafter_from_spec(spec, target, ngram=False)
+            rows = agreement(target, drafter, prompts, continuations)
+            entry = result["drafters"][spec] = {"agreement": summarise(rows, domains), "per_prompt": rows}
+            line = "  ".join(f"{scope} {value:.3f}" for scope, value in entry["agreement"].items())
+            if len(result["drafters"]) > 1:  # each later drafter against the first, paired over prompts
+                first = next(iter(result["drafters"].values()))["per_prompt"]
+                entry["vs_first"] = versus(rows, first, domains)
+                line += "; minus the first: " + "  ".join(f"{scope} {d:+.3f} [{lo:+.3f}, {hi:+.3f}]"
+                                                         for scope, (d, lo, hi) in entry["vs_first"].items())
+            print(spec, line, flush=True)
+    except UserError as err:
+        sys.exit(f"heldout_agreement: {err}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
