@@ -22,7 +22,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from mmvsd.decoding.engines import DEFAULT_ENGINE, get_engine
+from mmvsd.drafters.spec import drafter_from_spec
+from mmvsd.errors import UserError
 from mmvsd.eval.acceptance import cached_greedy_continuations, prompt_continuation_batch
+from mmvsd.prompts import load_eval_prompts, prompt_domains
 from mmvsd.training.config import ObjectiveConfig
 from mmvsd.training.features import capture_features
 from mmvsd.training.objectives import Unroll, ce_loss
@@ -72,11 +76,6 @@ def versus(rows: list[dict[str, int]], baseline: list[dict[str, int]], domains: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mmvsd.decoding.engines import DEFAULT_ENGINE, get_engine
-    from mmvsd.drafters.spec import drafter_from_spec
-    from mmvsd.errors import UserError
-    from mmvsd.prompts import load_eval_prompts, prompt_domains
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", required=True)
     parser.add_argument("--prompt-file", required=True, help="JSONL prompt file (with `domain` for figures per domain)")

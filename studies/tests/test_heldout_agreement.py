@@ -33,7 +33,8 @@ class _NoisyOracle(_TargetOracle):
 def test_agreement_counts_the_target_top1_the_drafter_matches(tiny):  # noqa: F811
     drafter = _NoisyOracle.from_target(tiny, draft_vocab_size=None)
     drafter.oracle_target = tiny
-    drafter.noise = torch.randn(tiny.model.config.hidden_size, tiny.vocab_size, generator=torch.Generator().manual_seed(0)) * 0.3
+    generator = torch.Generator().manual_seed(0)
+    drafter.noise = torch.randn(tiny.model.config.hidden_size, tiny.vocab_size, generator=generator) * 0.3
     prompts, conts = _random_sequences(4, seed=1)
     rows = heldout_agreement.agreement(tiny, drafter, as_prompts(prompts), conts)
     for prompt, cont, row in zip(prompts, conts, rows):
