@@ -30,7 +30,7 @@ from mmvsd.prompts import load_eval_prompts, prompt_domains
 from mmvsd.training.config import ObjectiveConfig
 from mmvsd.training.features import capture_features
 from mmvsd.training.objectives import Unroll, ce_loss
-from mmvsd_studies.study_stats import compare_arms, prompt_resamples
+from mmvsd_studies.study_stats import compare_arms, domain_indices, prompt_resamples
 
 
 def _sum(total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -49,28 +49,32 @@ def agreement(target, drafter, prompts: list, continuations: list[list[int]]) ->
     return rows
 
 
+def _scopes(num_prompts: int, domains: list[str]) -> dict[str, list[int]]:
+    return {"all": list(range(num_prompts)), **domain_indices(domains)}
+
+
+def _counts(rows: list[dict[str, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """([1, P] correct, [1, P] positions): study_stats' (numerator, denominator) layout."""
+    return (np.array([[row["correct"] for row in rows]], dtype=float),
+            np.array([[row["positions"] for row in rows]], dtype=float))
+
+
 def summarise(rows: list[dict[str, int]], domains: list[str]) -> dict[str, float]:
     """Agreement pooled over positions ("all") and per domain (`domains[i]` names prompt i's; [] for none)."""
-    scopes = {"all": list(range(len(rows)))}
-    for domain in dict.fromkeys(d for d in domains if d):
-        scopes[domain] = [i for i, d in enumerate(domains) if d == domain]
-    return {scope: sum(rows[i]["correct"] for i in keep) / max(sum(rows[i]["positions"] for i in keep), 1)
-            for scope, keep in scopes.items()}
+    correct, positions = _counts(rows)
+    return {scope: float(correct[0, keep].sum() / max(positions[0, keep].sum(), 1))
+            for scope, keep in _scopes(len(rows), domains).items()}
 
 
 def versus(rows: list[dict[str, int]], baseline: list[dict[str, int]], domains: list[str],
            resamples_count: int = 2000, seed: int = 0) -> dict[str, list[float]]:
     """Per scope (as `summarise`): the difference in pooled agreement from `baseline`'s rows on the same prompts and
     its paired bootstrap 95% interval over prompts, [diff, low, high]."""
-    scopes = {"all": list(range(len(rows)))}
-    for domain in dict.fromkeys(d for d in domains if d):
-        scopes[domain] = [i for i, d in enumerate(domains) if d == domain]
+    arm, base = _counts(rows), _counts(baseline)
     out = {}
-    for scope, keep in scopes.items():
-        def counts(of, keep=keep):
-            return (np.array([[of[i]["correct"] for i in keep]], dtype=float),
-                    np.array([[of[i]["positions"] for i in keep]], dtype=float))
-        compared = compare_arms(counts(rows), counts(baseline), prompt_resamples(len(keep), resamples_count, seed))
+    for scope, keep in _scopes(len(rows), domains).items():
+        compared = compare_arms(tuple(a[:, keep] for a in arm), tuple(b[:, keep] for b in base),
+                                prompt_resamples(len(keep), resamples_count, seed))
         out[scope] = [compared["diff"], *compared["diff_ci95"]]
     return out
 

@@ -35,6 +35,7 @@ from mmvsd.shipped import held_out_tau_key
 from mmvsd_studies.study_stats import (
     bootstrap_taus,
     compare_arms,
+    domain_indices,
     percentile_interval,
     pooled_tau,
     prompt_resamples,
@@ -114,8 +115,7 @@ def pilot_by_domain(reports: dict[str, dict], baseline: str, domains: list[str],
     result = {"all": pilot(reports, baseline, taus, references, rule=rule)}
     if domains and {len(report["prompts"]) for report in reports.values()} != {len(domains)}:
         sys.exit(f"scale_pilot: the reports' prompts do not match the {len(domains)} held-out prompts' domains")
-    for domain in dict.fromkeys(d for d in domains if d):
-        keep = [i for i, d in enumerate(domains) if d == domain]
+    for domain, keep in domain_indices(domains).items():
         result[domain] = pilot(_prompts(reports, keep), baseline, _prompts(taus or {}, keep), references, rule=rule)
     return result
 

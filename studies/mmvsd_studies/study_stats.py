@@ -29,6 +29,12 @@ def seed_resamples(num_seeds: int, num_resamples: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, num_seeds, size=(num_resamples, num_seeds))
 
 
+def domain_indices(domains: list[str]) -> dict[str, list[int]]:
+    """Each domain's prompt indices, in order of first appearance (`domains[i]` names prompt i's; "" for none)."""
+    named = dict.fromkeys(d for d in domains if d)
+    return {domain: [i for i, d in enumerate(domains) if d == domain] for domain in named}
+
+
 def prompt_resamples(num_prompts: int, num_resamples: int, seed: int) -> np.ndarray:
     """[N, P] prompt indices drawn with replacement (shared by every arm: paired comparisons)."""
     return np.random.default_rng(seed).integers(0, num_prompts, size=(num_resamples, num_prompts))
