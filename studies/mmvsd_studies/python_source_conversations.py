@@ -11,6 +11,10 @@ methods instead) between `--min-chars` and `--max-chars` becomes one conversatio
                <its source, as the file has it>
                ```
 
+`--style stub` asks as HumanEval does instead: the user turn is a function's or method's signature and docstring
+(those with a docstring of at least `--min-docstring` characters), the answer its source; on-policy answers
+(`mmvsd regenerate`) replace the source with what the target writes after such a stub.
+
 Files are read in sorted order and units in file order, then the records are shuffled with `--seed` (so the
 first N, which `num_conversations` takes, are a sample of the whole library): the output depends only on the
 interpreter's version and the seed (`OUT.manifest.json` records them, the count and the file's sha256). Test
@@ -70,15 +74,37 @@ def code_units(text: str, min_chars: int, max_chars: int) -> Iterator[tuple[str,
                 yield kind, node.name, source
 
 
-def conversations(root: Path, min_chars: int, max_chars: int) -> Iterator[dict]:
-    """ShareGPT records, one per code unit of the standard library under `root`."""
+def stub(source: str, min_docstring: int) -> str | None:
+    """A function's `source` cut after its docstring, as a HumanEval prompt is; None for a class, a unit that does
+    not parse alone, or a docstring shorter than `min_docstring` characters."""
+    try:
+        node = ast.parse(source).body[0]
+    except (SyntaxError, ValueError, IndexError):
+        return None
+    doc = node.body[0] if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.body else None
+    if not (isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
+        return None
+    if len(doc.value.value.strip()) < min_docstring or doc.end_lineno >= (node.end_lineno or 0):
+        return None  # too short to say what to write, or nothing after it to write
+    return "".join(source.splitlines(keepends=True)[: doc.end_lineno])
+
+
+def conversations(root: Path, min_chars: int, max_chars: int, style: str = "name",
+                  min_docstring: int = 40) -> Iterator[dict]:
+    """ShareGPT records, one per code unit of the standard library under `root`: asked by name (`style="name"`)
+    or, for functions and methods with a docstring, by their signature and docstring (`"stub"`)."""
     for path in source_files(root):
         module = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
         text = path.read_text(encoding="utf-8", errors="replace")
         for kind, name, source in code_units(text, min_chars, max_chars):
+            if style == "stub":
+                question = stub(source, min_docstring)
+                if question is None:
+                    continue
+            else:
+                question = f"Write the Python {kind} `{name}` of the `{module}` module."
             yield {"id": f"{module}:{name}", "conversations": [
-                {"from": "human", "value": f"Write the Python {kind} `{name}` of the `{module}` module."},
-                {"from": "gpt", "value": f"```python\n{source}```"}]}
+                {"from": "human", "value": question}, {"from": "gpt", "value": f"```python\n{source}```"}]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,13 +112,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="JSON Lines file to write (ShareGPT records)")
     parser.add_argument("--min-chars", type=int, default=300)
     parser.add_argument("--max-chars", type=int, default=3000)
+    parser.add_argument("--style", choices=["name", "stub"], default="name",
+                        help="ask for a unit by name, or give a function's signature and docstring (HumanEval's form)")
+    parser.add_argument("--min-docstring", type=int, default=40, help="--style stub: shortest docstring kept")
     parser.add_argument("--seed", type=int, default=0, help="order of the records")
     parser.add_argument("--root", default=sysconfig.get_paths()["stdlib"], help="the standard library's folder")
     args = parser.parse_args(argv)
     out = Path(args.out).expanduser()
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = out.with_name(out.name + ".partial")
-    records = list(conversations(Path(args.root), args.min_chars, args.max_chars))
+    records = list(conversations(Path(args.root), args.min_chars, args.max_chars, args.style,
+                                args.min_docstring))
     random.Random(args.seed).shuffle(records)
     digest, count = hashlib.sha256(), 0
     with partial.open("w", encoding="utf-8") as f:
@@ -107,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     partial.replace(out)
     manifest = {"python": sys.version.split()[0], "root": args.root, "conversations": count, "seed": args.seed,
-                "min_chars": args.min_chars, "max_chars": args.max_chars, "sha256": digest.hexdigest()}
+                "min_chars": args.min_chars, "max_chars": args.max_chars, "style": args.style,
+                "min_docstring": args.min_docstring, "sha256": digest.hexdigest()}
     out.with_name(out.name + ".manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     print(f"{count} conversations -> {out} (sha256 {digest.hexdigest()[:16]})")
     return 0

@@ -54,3 +54,25 @@ def test_main_writes_shuffled_readable_records_and_manifest(tmp_path, capsys):
     assert out.read_text() != first and sorted(out.read_text().splitlines()) == sorted(first.splitlines())
     assert script.main(["--out", str(tmp_path / "none.jsonl"), "--root", str(root), "--min-chars", "10000"]) == 2
     assert not list(tmp_path.glob("none.jsonl*"))  # nothing half-written
+
+
+def test_stub_style_asks_with_signature_and_docstring_as_humaneval_does(tmp_path):
+    assert script.stub(SMALL, min_docstring=8) == 'def small(x):\n    """Twice x."""\n'
+    assert script.stub(SMALL, min_docstring=9) is None  # "Twice x." is 8 characters
+    assert script.stub('def f():\n    """Only a docstring, nothing to write."""\n', 1) is None
+    assert script.stub("def f():\n    return 1\n", 0) is None  # no docstring
+    assert script.stub('class C:\n    """A class."""\n    x = 1\n', 0) is None  # functions and methods only
+    assert script.stub("def (:\n", 0) is None
+    decorated = '@staticmethod\ndef g(a):\n    """Doc of g."""\n    return a\n'
+    assert script.stub(decorated, 0) == '@staticmethod\ndef g(a):\n    """Doc of g."""\n'
+    root, out = _library(tmp_path / "lib"), tmp_path / "stub.jsonl"
+    args = ["--out", str(out), "--root", str(root), "--min-chars", "20", "--max-chars", "200", "--style", "stub",
+            "--min-docstring", "8"]
+    assert script.main(args) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in records) == ["mod:small", "pkg:small"]  # Big's methods have no docstring
+    by_id = {r["id"]: r["conversations"] for r in records}
+    assert by_id["mod:small"][0]["value"] == 'def small(x):\n    """Twice x."""\n'
+    assert by_id["mod:small"][1]["value"] == f"```python\n{SMALL}```"
+    manifest = json.loads((tmp_path / "stub.jsonl.manifest.json").read_text())
+    assert manifest["style"] == "stub" and manifest["conversations"] == 2
