@@ -10,6 +10,11 @@ eval-drafter cached for the same target, dtype, prompts and --max-new-tokens (ge
 
     python -m mmvsd_studies.heldout_agreement --target smollm2-135m --prompt-file h60.jsonl --max-new-tokens 128 \
         --drafter eagle3-accept --drafter runs/cont --out agreement.json
+
+`--by-confidence` also splits the same positions by the target's own top-1 probability there (full vocabulary,
+bins `CONFIDENCE_EDGES`): how much of the text the target writes near a tie, and how often the drafter agrees in each
+bin. A position where the target's top-1 holds 0.4 of the mass is one a drafter that reads the target's features
+can still predict, but not one whose neighbours it can count on.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +35,8 @@ from mmvsd.eval.acceptance import cached_greedy_continuations, prompt_continuati
 from mmvsd.prompts import load_eval_prompts, prompt_domains
 from mmvsd.training.config import ObjectiveConfig
 from mmvsd.training.features import capture_features
-from mmvsd.training.objectives import Unroll, ce_loss
+from mmvsd.training.objectives import Unroll, ce_loss, label_rows
+from mmvsd.training.unroll import shifted
 from mmvsd_studies.study_stats import compare_arms, domain_indices, prompt_resamples
 
 
@@ -47,6 +54,42 @@ def agreement(target, drafter, prompts: list, continuations: list[list[int]]) ->
         _, counts = ce_loss(drafter, target, batch, ObjectiveConfig(ttt_steps=1), mean=_sum, unroll=unroll)
         rows.append({"positions": int(unroll.label_mask(0).sum()), "correct": round(counts["acc_0_all"])})
     return rows
+
+
+CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0)
+
+
+@torch.no_grad()
+def agreement_by_confidence(target, drafter, prompts: list, continuations: list[list[int]],
+                            edges: tuple[float, ...] = CONFIDENCE_EDGES) -> list[dict[str, list[int]]]:
+    """Per prompt, per bin of the target's top-1 probability at the label's position (bin k: edges[k] <= p <
+    edges[k + 1], the last closed): the positions `agreement` scores and how many the drafter matches, so that each
+    row's sums are `agreement`'s counts."""
+    rows = []
+    inner = torch.tensor(edges[1:-1])
+    for prompt, continuation in zip(prompts, continuations):
+        batch = capture_features(target, prompt_continuation_batch(target, [prompt], [continuation]))
+        unroll = Unroll(drafter, batch)
+        labels, mask = unroll.target_labels(target), unroll.label_mask(0)
+        counted = shifted(labels.top1_in_vocab, 1, False)[mask]  # as ce_loss: a top-1 outside the vocabulary is wrong
+        correct = (unroll.draft_logprobs(0, 1).argmax(-1) == label_rows(labels.draft_logits.argmax(-1), 0, mask))
+        top1_probability = torch.softmax(target.float_logits(batch.target_hidden), -1).amax(-1)  # [1, T]
+        bins = torch.bucketize(label_rows(top1_probability, 0, mask), inner, right=True)
+        rows.append({"positions": torch.bincount(bins, minlength=len(edges) - 1).tolist(),
+                     "correct": torch.bincount(bins[correct & counted], minlength=len(edges) - 1).tolist()})
+    return rows
+
+
+def confidence_summary(rows: list[dict[str, list[int]]], domains: list[str]) -> dict[str, dict[str, list[float]]]:
+    """Per scope (as `summarise`): each bin's share of the positions and the drafter's agreement within it."""
+    positions = np.array([row["positions"] for row in rows], dtype=float)  # [P, bins]
+    correct = np.array([row["correct"] for row in rows], dtype=float)
+    out = {}
+    for scope, keep in _scopes(len(rows), domains).items():
+        scored, matched = positions[keep].sum(0), correct[keep].sum(0)
+        out[scope] = {"share": (scored / max(scored.sum(), 1)).tolist(),
+                      "agreement": (matched / np.maximum(scored, 1)).tolist()}
+    return out
 
 
 def _scopes(num_prompts: int, domains: list[str]) -> dict[str, list[int]]:
@@ -86,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drafter", action="append", required=True, help="a drafter folder or shipped name; repeat")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--by-confidence", action="store_true",
+                        help="also per bin of the target's top-1 probability (CONFIDENCE_EDGES)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     try:
@@ -106,6 +151,15 @@ def main(argv: list[str] | None = None) -> int:
                 line += "; minus the first: " + "  ".join(f"{scope} {d:+.3f} [{lo:+.3f}, {hi:+.3f}]"
                                                          for scope, (d, lo, hi) in entry["vs_first"].items())
             print(spec, line, flush=True)
+            if args.by_confidence:
+                bins = agreement_by_confidence(target, drafter, prompts, continuations)
+                entry["by_confidence"] = {"edges": list(CONFIDENCE_EDGES), "per_prompt": bins,
+                                          **confidence_summary(bins, domains)}
+                for scope in ["all", *sorted(set(domains))]:
+                    cells = zip(entry["by_confidence"][scope]["share"], entry["by_confidence"][scope]["agreement"])
+                    print(f"  {scope}: target top-1 p in " + "  ".join(
+                        f"[{lo:.1f},{hi:.1f}) {share:.2f} of positions, agreed {agreed:.2f}"
+                        for (lo, hi), (share, agreed) in zip(pairwise(CONFIDENCE_EDGES), cells)), flush=True)
     except UserError as err:
         sys.exit(f"heldout_agreement: {err}")
     if args.out:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 from test_vsd_control import _random_sequences, _TargetOracle, tiny  # noqa: F401  (tiny: the fixture)
@@ -63,3 +65,31 @@ def test_versus_is_the_paired_difference_with_its_interval():
     assert out["all"][0] == pytest.approx(27 / 40 - 19 / 40) and out["all"][1] > 0  # better on every prompt
     assert out["math"] == pytest.approx([0.2, 0.2, 0.2])
     assert heldout_agreement.versus(base, base, [])["all"] == [0.0, 0.0, 0.0]
+
+
+def test_by_confidence_splits_agreement_by_the_targets_top1_probability(tiny):  # noqa: F811
+    drafter = _NoisyOracle.from_target(tiny, draft_vocab_size=None)
+    drafter.oracle_target = tiny
+    drafter.noise = torch.randn(tiny.model.config.hidden_size, tiny.vocab_size,
+                                generator=torch.Generator().manual_seed(0)) * 0.3
+    prompts, conts = _random_sequences(4, seed=1)
+    top1 = []  # per prompt, the target's top-1 probability at each scored label, computed directly
+    for prompt, cont in zip(prompts, conts):
+        with torch.no_grad():
+            probs = torch.softmax(tiny.model(torch.tensor([prompt + cont])).logits[0].float(), -1)
+        anchors = torch.arange(len(prompt) - 1, len(prompt) + len(cont) - 2)  # anchor t: its label's choice at t + 1
+        top1.append(probs[anchors + 1].amax(-1))
+    pooled = torch.cat(top1).sort().values
+    edges = (0.0, float(pooled[len(pooled) // 3]), float(pooled[2 * len(pooled) // 3]), 1.0)  # thirds of the data
+    rows = heldout_agreement.agreement_by_confidence(tiny, drafter, as_prompts(prompts), conts, edges)
+    totals = heldout_agreement.agreement(tiny, drafter, as_prompts(prompts), conts)
+    for row, total, values in zip(rows, totals, top1):
+        assert sum(row["positions"]) == total["positions"] and sum(row["correct"]) == total["correct"]
+        assert row["positions"] == [int(((values >= lo) & ((values < hi) | (hi == 1.0))).sum())
+                                    for lo, hi in pairwise(edges)]
+    assert all(sum(row["positions"][k] for row in rows) > 0 for k in range(3))
+    summary = heldout_agreement.confidence_summary(rows, ["chat", "math", "chat", "math"])
+    assert sum(summary["all"]["share"]) == pytest.approx(1.0) and set(summary) == {"all", "chat", "math"}
+    scored = [sum(row["positions"][k] for row in rows) for k in range(3)]
+    matched = [sum(row["correct"][k] for row in rows) for k in range(3)]
+    assert summary["all"]["agreement"] == pytest.approx([m / n for m, n in zip(matched, scored)])
