@@ -11,10 +11,10 @@ eval-drafter cached for the same target, dtype, prompts and --max-new-tokens (ge
     python -m mmvsd_studies.heldout_agreement --target smollm2-135m --prompt-file h60.jsonl --max-new-tokens 128 \
         --drafter eagle3-accept --drafter runs/cont --out agreement.json
 
-`--by-confidence` also splits the same positions by the target's own top-1 probability there (full vocabulary,
-bins `CONFIDENCE_EDGES`): how much of the text the target writes near a tie, and how often the drafter agrees in each
-bin. A position where the target's top-1 holds 0.4 of the mass is one a drafter that reads the target's features
-can still predict, but not one whose neighbours it can count on.
+`--split` also splits the same positions two ways: by the target's own top-1 probability there (full vocabulary,
+bins `CONFIDENCE_EDGES`), so how much of the text the target writes near a tie and how often the drafter agrees in
+each bin; and by what a bigram lookup (prompt lookup) proposes there, so how often the drafter copies what the
+context already holds.
 """
 
 from __future__ import annotations
@@ -57,15 +57,31 @@ def agreement(target, drafter, prompts: list, continuations: list[list[int]]) ->
 
 
 CONFIDENCE_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9, 1.0)
+LOOKUP_CLASSES = ("no match", "lookup right", "lookup wrong")
+
+
+def lookup_classes(tokens: list[int], anchors: list[int], top1: list[int]) -> list[int]:
+    """Per anchor t: what a bigram lookup (prompt lookup's n = 2) proposes for token t+2, the token that followed the
+    latest earlier occurrence of tokens t, t+1, against the target's top-1 there: 0 no earlier occurrence, 1 the
+    lookup proposes the target's top-1, 2 another token (`LOOKUP_CLASSES`)."""
+    latest: dict[tuple[int, int], int] = {}  # bigram -> the token after its latest occurrence so far
+    classes, done = [], 0
+    for anchor, choice in zip(anchors, top1):
+        for s in range(done, anchor):  # bigrams that end before the anchor's own
+            latest[tokens[s], tokens[s + 1]] = tokens[s + 2]
+        done = max(done, anchor)
+        proposal = latest.get((tokens[anchor], tokens[anchor + 1]))
+        classes.append(0 if proposal is None else 1 if proposal == choice else 2)
+    return classes
 
 
 @torch.no_grad()
-def agreement_by_confidence(target, drafter, prompts: list, continuations: list[list[int]],
-                            edges: tuple[float, ...] = CONFIDENCE_EDGES) -> list[dict[str, list[int]]]:
-    """Per prompt, per bin of the target's top-1 probability at the label's position (bin k: edges[k] <= p <
-    edges[k + 1], the last closed): the positions `agreement` scores and how many the drafter matches, so that each
-    row's sums are `agreement`'s counts."""
-    rows = []
+def agreement_split(target, drafter, prompts: list, continuations: list[list[int]],
+                    edges: tuple[float, ...] = CONFIDENCE_EDGES) -> dict[str, list[dict[str, list[int]]]]:
+    """The positions `agreement` scores and how many the drafter matches, per prompt, split two ways (each split's
+    row sums are `agreement`'s counts): "confidence", per bin of the target's top-1 probability at the label's
+    position (bin k: edges[k] <= p < edges[k + 1], the last closed); "lookup", per `lookup_classes`."""
+    rows: dict[str, list[dict[str, list[int]]]] = {"confidence": [], "lookup": []}
     inner = torch.tensor(edges[1:-1])
     for prompt, continuation in zip(prompts, continuations):
         batch = capture_features(target, prompt_continuation_batch(target, [prompt], [continuation]))
@@ -73,14 +89,19 @@ def agreement_by_confidence(target, drafter, prompts: list, continuations: list[
         labels, mask = unroll.target_labels(target), unroll.label_mask(0)
         counted = shifted(labels.top1_in_vocab, 1, False)[mask]  # as ce_loss: a top-1 outside the vocabulary is wrong
         correct = (unroll.draft_logprobs(0, 1).argmax(-1) == label_rows(labels.draft_logits.argmax(-1), 0, mask))
-        top1_probability = torch.softmax(target.float_logits(batch.target_hidden), -1).amax(-1)  # [1, T]
-        bins = torch.bucketize(label_rows(top1_probability, 0, mask), inner, right=True)
-        rows.append({"positions": torch.bincount(bins, minlength=len(edges) - 1).tolist(),
-                     "correct": torch.bincount(bins[correct & counted], minlength=len(edges) - 1).tolist()})
+        full = torch.softmax(target.float_logits(batch.target_hidden), -1)  # [1, T, V]
+        probability, choice = (label_rows(values, 0, mask) for values in full.max(-1))
+        anchors = mask[0].nonzero()[:, 0].tolist()
+        splits = {"confidence": (torch.bucketize(probability, inner, right=True), len(edges) - 1),
+                  "lookup": (torch.tensor(lookup_classes(batch.tokens.input_ids[0].tolist(), anchors, choice.tolist()),
+                                          dtype=torch.long), len(LOOKUP_CLASSES))}
+        for name, (bins, count) in splits.items():
+            rows[name].append({"positions": torch.bincount(bins, minlength=count).tolist(),
+                               "correct": torch.bincount(bins[correct & counted], minlength=count).tolist()})
     return rows
 
 
-def confidence_summary(rows: list[dict[str, list[int]]], domains: list[str]) -> dict[str, dict[str, list[float]]]:
+def split_summary(rows: list[dict[str, list[int]]], domains: list[str]) -> dict[str, dict[str, list[float]]]:
     """Per scope (as `summarise`): each bin's share of the positions and the drafter's agreement within it."""
     positions = np.array([row["positions"] for row in rows], dtype=float)  # [P, bins]
     correct = np.array([row["correct"] for row in rows], dtype=float)
@@ -129,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drafter", action="append", required=True, help="a drafter folder or shipped name; repeat")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="fp32")
-    parser.add_argument("--by-confidence", action="store_true",
-                        help="also per bin of the target's top-1 probability (CONFIDENCE_EDGES)")
+    parser.add_argument("--split", action="store_true", help="also per bin of the target's top-1 probability "
+                        "(CONFIDENCE_EDGES) and by what a bigram lookup proposes (LOOKUP_CLASSES)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     try:
@@ -151,15 +172,16 @@ def main(argv: list[str] | None = None) -> int:
                 line += "; minus the first: " + "  ".join(f"{scope} {d:+.3f} [{lo:+.3f}, {hi:+.3f}]"
                                                          for scope, (d, lo, hi) in entry["vs_first"].items())
             print(spec, line, flush=True)
-            if args.by_confidence:
-                bins = agreement_by_confidence(target, drafter, prompts, continuations)
-                entry["by_confidence"] = {"edges": list(CONFIDENCE_EDGES), "per_prompt": bins,
-                                          **confidence_summary(bins, domains)}
-                for scope in ["all", *sorted(set(domains))]:
-                    cells = zip(entry["by_confidence"][scope]["share"], entry["by_confidence"][scope]["agreement"])
-                    print(f"  {scope}: target top-1 p in " + "  ".join(
-                        f"[{lo:.1f},{hi:.1f}) {share:.2f} of positions, agreed {agreed:.2f}"
-                        for (lo, hi), (share, agreed) in zip(pairwise(CONFIDENCE_EDGES), cells)), flush=True)
+            if args.split:
+                for name, split_rows in agreement_split(target, drafter, prompts, continuations).items():
+                    names = ([f"[{lo:.1f},{hi:.1f})" for lo, hi in pairwise(CONFIDENCE_EDGES)]
+                             if name == "confidence" else list(LOOKUP_CLASSES))
+                    summary = entry[f"by_{name}"] = {"bins": names, "per_prompt": split_rows,
+                                                     **split_summary(split_rows, domains)}
+                    for scope in ["all", *sorted(set(domains))]:
+                        print(f"  {scope}, by {name}: " + "  ".join(
+                            f"{bin_name} {share:.2f} of positions, agreed {agreed:.2f}" for bin_name, share, agreed
+                            in zip(names, summary[scope]["share"], summary[scope]["agreement"])), flush=True)
     except UserError as err:
         sys.exit(f"heldout_agreement: {err}")
     if args.out:

@@ -67,7 +67,7 @@ def test_versus_is_the_paired_difference_with_its_interval():
     assert heldout_agreement.versus(base, base, [])["all"] == [0.0, 0.0, 0.0]
 
 
-def test_by_confidence_splits_agreement_by_the_targets_top1_probability(tiny):  # noqa: F811
+def test_split_by_the_targets_top1_probability_and_by_lookup(tiny):  # noqa: F811
     drafter = _NoisyOracle.from_target(tiny, draft_vocab_size=None)
     drafter.oracle_target = tiny
     drafter.noise = torch.randn(tiny.model.config.hidden_size, tiny.vocab_size,
@@ -81,15 +81,26 @@ def test_by_confidence_splits_agreement_by_the_targets_top1_probability(tiny):  
         top1.append(probs[anchors + 1].amax(-1))
     pooled = torch.cat(top1).sort().values
     edges = (0.0, float(pooled[len(pooled) // 3]), float(pooled[2 * len(pooled) // 3]), 1.0)  # thirds of the data
-    rows = heldout_agreement.agreement_by_confidence(tiny, drafter, as_prompts(prompts), conts, edges)
+    split = heldout_agreement.agreement_split(tiny, drafter, as_prompts(prompts), conts, edges)
+    rows = split["confidence"]
     totals = heldout_agreement.agreement(tiny, drafter, as_prompts(prompts), conts)
-    for row, total, values in zip(rows, totals, top1):
-        assert sum(row["positions"]) == total["positions"] and sum(row["correct"]) == total["correct"]
+    for row, lookup, total, values in zip(rows, split["lookup"], totals, top1):
+        for counts in (row, lookup):
+            assert sum(counts["positions"]) == total["positions"] and sum(counts["correct"]) == total["correct"]
         assert row["positions"] == [int(((values >= lo) & ((values < hi) | (hi == 1.0))).sum())
                                     for lo, hi in pairwise(edges)]
     assert all(sum(row["positions"][k] for row in rows) > 0 for k in range(3))
-    summary = heldout_agreement.confidence_summary(rows, ["chat", "math", "chat", "math"])
+    summary = heldout_agreement.split_summary(rows, ["chat", "math", "chat", "math"])
     assert sum(summary["all"]["share"]) == pytest.approx(1.0) and set(summary) == {"all", "chat", "math"}
     scored = [sum(row["positions"][k] for row in rows) for k in range(3)]
     matched = [sum(row["correct"][k] for row in rows) for k in range(3)]
     assert summary["all"]["agreement"] == pytest.approx([m / n for m, n in zip(matched, scored)])
+
+
+def test_lookup_classes_is_a_bigram_prompt_lookup_over_the_context_so_far():
+    tokens = [5, 6, 7, 1, 5, 6, 8, 5, 6, 9, 9]
+    # anchor 4 (tokens 5, 6): the earlier 5, 6 was followed by 7; anchor 7: the latest 5, 6 (at 4) by 8; anchor 1
+    # (6, 7) and anchor 8 (6, 9): no earlier occurrence; anchor 0 has no context at all
+    assert heldout_agreement.lookup_classes(tokens, [0, 1, 4, 7, 8], [6, 1, 7, 9, 9]) == [0, 0, 1, 2, 0]
+    assert heldout_agreement.lookup_classes(tokens, [7], [8]) == [1]  # the table is built up to the anchor at once
+    assert heldout_agreement.lookup_classes([3, 3, 3, 3], [1, 2], [3, 4]) == [1, 2]  # a run: its own bigram, earlier
