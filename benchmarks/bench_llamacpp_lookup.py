@@ -19,14 +19,14 @@ import argparse
 import json
 import platform
 import statistics
-import time
 from contextlib import ExitStack
 from pathlib import Path
 
 import torch
 
+from mmvsd.decoding.decode import DecodeConfig
 from mmvsd.drafters.export_spec import drafter_folder
-from mmvsd.engines.llamacpp_bench import NGRAM_ARGS, chain_args
+from mmvsd.engines.llamacpp_bench import NGRAM_ARGS, EngineResult, ServerGenerate, chain_args
 from mmvsd.engines.llamacpp_server import LlamaServer
 from mmvsd.layouts.export import export_drafter
 from mmvsd.prompts import load_eval_prompts, prompt_domains
@@ -65,7 +65,8 @@ def main() -> None:
     args = parse_args()
     target = load_target(args.target, torch.float32, "cpu")  # tokenizes and exports: no decoding here
     prompts = load_eval_prompts(target, args.prompt_file)[:: args.every]
-    domains = (prompt_domains(args.prompt_file)[:: args.every] or ["all"] * len(prompts))
+    domains = prompt_domains(args.prompt_file)[:: args.every]
+    domains = domains if any(domains) else []  # rows per domain where the prompt file names them
     gguf = Path(args.work) / f"{Path(args.drafter).name}.gguf"
     if not gguf.is_file():
         export_drafter(drafter_folder(args.drafter, args.target), "gguf", gguf, target=target)
@@ -73,23 +74,18 @@ def main() -> None:
     rows = {"vanilla": [], "pld": list(NGRAM_ARGS), "chain": draft}
     rows |= {f"chain+lookup {lookup}": with_lookup(draft, lookup) for lookup in args.lookup.split(",")}
     model = target_gguf_file(args.target)
-    records: dict[str, list[dict]] = {name: [] for name in rows}
+    records: dict[str, list[EngineResult]] = {name: [] for name in rows}
+    config = DecodeConfig(max_new_tokens=args.max_new_tokens)
     with ExitStack() as stack:
-        servers = {name: stack.enter_context(LlamaServer(model, extra, threads=args.threads))
+        servers = {name: ServerGenerate(stack.enter_context(LlamaServer(model, extra, threads=args.threads)))
                    for name, extra in rows.items()}
         for server in servers.values():  # warm-up: not counted
-            server.complete(prompts[0].token_ids, 16)
+            server.one(prompts[0].token_ids, DecodeConfig(max_new_tokens=16))
         names = list(rows)
         for index, prompt in enumerate(prompts):
             for name in names[index % len(names):] + names[: index % len(names)]:  # rotate who goes first
-                start = time.perf_counter()
-                reply = servers[name].complete(prompt.token_ids, args.max_new_tokens)
-                wall = time.perf_counter() - start
-                timings = reply.get("timings", {})
-                records[name].append({"tokens": reply.get("tokens", []), "seconds": wall,
-                                      "drafted": int(timings.get("draft_n", 0)),
-                                      "accepted": int(timings.get("draft_n_accepted", 0))})
-            print(f"prompt {index + 1}/{len(prompts)} ({domains[index]})", flush=True)
+                records[name].append(servers[name].one(prompt.token_ids, config))
+            print(f"prompt {index + 1}/{len(prompts)}" + (f" ({domains[index]})" if domains else ""), flush=True)
     summary = summarise(records, domains)
     for name, row in summary.items():
         print(f"{name:22s} " + "  ".join(f"{scope} {cells['speedup']:.2f}x" for scope, cells in row.items())
@@ -98,28 +94,30 @@ def main() -> None:
     if args.out:
         result = {"settings": vars(args), "machine": platform.processor() or platform.machine(),
                   "domains": domains, "summary": summary,
-                  "records": {name: [{k: v for k, v in r.items() if k != "tokens"} | {"num_tokens": len(r["tokens"])}
-                                     for r in rs] for name, rs in records.items()}}
+                  "records": {name: [{"seconds": r.wall_seconds, "drafted": r.num_drafted, "accepted":
+                                      r.num_draft_accepted, "num_tokens": len(r.output_ids)} for r in rs]
+                              for name, rs in records.items()}}
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 
-def summarise(records: dict[str, list[dict]], domains: list[str]) -> dict[str, dict[str, dict]]:
-    """Per row and scope ("all" and each domain): the median over prompts of the row's tokens/s over vanilla's,
-    vanilla's median tokens/s, the drafts, and how many answers equal vanilla's."""
+def summarise(records: dict[str, list[EngineResult]], domains: list[str]) -> dict[str, dict[str, dict]]:
+    """Per row and scope ("all" and each domain of `domains`, [] for none): the median over prompts of the row's
+    tokens/s over vanilla's, vanilla's median tokens/s, the drafts, and how many answers equal vanilla's."""
     base = records["vanilla"]
     scopes = {"all": list(range(len(base)))}
-    scopes |= {d: [i for i, dd in enumerate(domains) if dd == d] for d in sorted(set(domains)) if d != "all"}
+    scopes |= {d: [i for i, dd in enumerate(domains) if dd == d] for d in sorted(set(domains))}
     out = {}
     for name, rows in records.items():
         out[name] = {}
         for scope, keep in scopes.items():
-            rates = [len(rows[i]["tokens"]) / rows[i]["seconds"] for i in keep]
-            base_rates = [len(base[i]["tokens"]) / base[i]["seconds"] for i in keep]
+            rates = [rows[i].tokens_per_second for i in keep]
+            base_rates = [base[i].tokens_per_second for i in keep]
             out[name][scope] = {
                 "speedup": statistics.median(r / b for r, b in zip(rates, base_rates)),
                 "tokens_per_s": statistics.median(rates), "vanilla_tokens_per_s": statistics.median(base_rates),
-                "drafted": sum(rows[i]["drafted"] for i in keep), "accepted": sum(rows[i]["accepted"] for i in keep),
-                "equal": sum(rows[i]["tokens"] == base[i]["tokens"] for i in keep), "prompts": len(keep)}
+                "drafted": sum(rows[i].num_drafted for i in keep),
+                "accepted": sum(rows[i].num_draft_accepted for i in keep),
+                "equal": sum(rows[i].output_ids == base[i].output_ids for i in keep), "prompts": len(keep)}
     return out
 
 

@@ -3,6 +3,7 @@
 import pytest
 
 from conftest import load_benchmark_script
+from mmvsd.engines.llamacpp_bench import EngineResult
 
 lookup = load_benchmark_script("bench_llamacpp_lookup")
 
@@ -20,7 +21,8 @@ def test_lookup_goes_ahead_of_the_drafter():
 
 def test_summary_is_the_median_ratio_to_vanilla_per_domain():
     def record(tokens, seconds, drafted=0, accepted=0):
-        return {"tokens": list(range(tokens)), "seconds": seconds, "drafted": drafted, "accepted": accepted}
+        return EngineResult([1, 2], list(range(tokens)), wall_seconds=seconds, finished=True, num_drafted=drafted,
+                            num_draft_accepted=accepted)
 
     records = {"vanilla": [record(10, 1.0), record(10, 2.0), record(10, 1.0)],
                "chain": [record(10, 0.5, 8, 4), record(10, 4.0, 8, 2), record(9, 1.0, 4, 1)]}
@@ -30,3 +32,4 @@ def test_summary_is_the_median_ratio_to_vanilla_per_domain():
     assert out["chain"]["math"] == pytest.approx({"speedup": 0.5, "tokens_per_s": 2.5, "vanilla_tokens_per_s": 5.0,
                                                   "drafted": 8, "accepted": 2, "equal": 1, "prompts": 1})
     assert out["chain"]["all"]["equal"] == 2 and out["vanilla"]["all"]["speedup"] == 1.0
+    assert set(lookup.summarise(records, [])["chain"]) == {"all"}  # a prompt file without domains: one scope
