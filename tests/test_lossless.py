@@ -109,11 +109,11 @@ def test_tiny_llava_target_text_decoding_is_lossless():
 
 
 @pytest.mark.smollm2
-@pytest.mark.parametrize("name", ["default", "eagle3-vsd", "eagle3-ce"])
+@pytest.mark.parametrize("name", ["default", "eagle3-accept", "eagle3-vsd", "eagle3-ce"])
 def test_shipped_smollm2_drafters_decode_losslessly_and_accept_tokens(smollm2_target, name):
-    """The shipped SmolLM2 drafters (`eagle3-accept`, the default, `eagle3-vsd` and `eagle3-ce`) decode MT-Bench
-    first turns token for token as vanilla decoding does, and accept more than one token per target forward (an
-    untrained drafter accepts about one: see the random-drafter test)."""
+    """The shipped SmolLM2 drafters (`eagle3-onpolicy`, the default, `eagle3-accept`, `eagle3-vsd` and `eagle3-ce`)
+    decode MT-Bench first turns token for token as vanilla decoding does, and accept more than one token per target
+    forward (an untrained drafter accepts about one: see the random-drafter test)."""
     from mmvsd.drafters.spec import drafter_from_spec
     from mmvsd.prompts import load_eval_prompts
 
